@@ -1,0 +1,25 @@
+"""qmtp: Qwen3.6-35B-A3B and its Multi-Token-Prediction head on MLX, as a readable package.
+
+The book's chapters import this package; the names below are its stable public API.
+"""
+
+__version__ = "0.1.0"
+
+from .checkpoint import Checkpoint
+from .config import QWEN36_35B_A3B, ModelConfig
+from .errors import CheckpointError, ConfigError, IncompleteHeadError, QmtpError, TensorShapeError, UsageError
+from .model import Model, load
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "ConfigError",
+    "IncompleteHeadError",
+    "Model",
+    "ModelConfig",
+    "QWEN36_35B_A3B",
+    "QmtpError",
+    "TensorShapeError",
+    "UsageError",
+    "load",
+]

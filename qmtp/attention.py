@@ -1,0 +1,63 @@
+"""Gated full attention: one layer in four of the trunk, and the MTP head's only layer.
+
+q_proj produces, per head, a query and an output gate side by side ([.., H_q, 2 * D]: first D query, last D
+gate). Queries and keys get their own RMSNorm per head, then rotary position embedding on the first
+`rotary_dims` of each head (rotate-half style). Attention is causal softmax with grouped KV heads (query head
+h reads KV head h // (H_q / H_kv)); the result is multiplied by sigmoid(gate) before o_proj.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig
+from .norms import RMSNorm
+
+
+def causal_mask(n_new: int, offset: int) -> mx.array | str | None:
+    """Which cached positions each of `n_new` queries (at positions offset..offset+n_new-1) may read."""
+    if n_new == 1:
+        return None
+    if offset == 0:
+        return "causal"
+    q_pos = mx.arange(offset, offset + n_new)[:, None]
+    k_pos = mx.arange(offset + n_new)[None, :]
+    return k_pos <= q_pos
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.rotary_dims, self.rope_theta = config.rotary_dims, config.rope_theta
+        self.scale = D**-0.5
+        self.q_proj = nn.Linear(H, self.n_heads * D * 2, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
+        )
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask(L, offset))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))

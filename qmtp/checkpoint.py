@@ -1,0 +1,279 @@
+"""Lazy reading of safetensors checkpoints, one file or many shards.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
+range) and then raw tensor bytes. Listing a checkpoint reads only the headers; loading a tensor reads only
+its own byte range. That is what makes a 70 GB checkpoint inspectable on a laptop.
+
+The `safetensors` package cannot hand bfloat16 tensors to MLX (it goes through numpy, which has no
+bfloat16), so bytes are read here and viewed as the right MLX dtype; headers are validated here too, so
+a truncated download fails with the file's name rather than deep inside a library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+# A header larger than this is a corrupt length field, not a real checkpoint (real ones are < 2 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# safetensors dtype -> (numpy dtype used to read the bytes, MLX dtype name, bytes per element)
+DTYPES = {
+    "F64": (np.float64, "float64", 8),
+    "F32": (np.float32, "float32", 4),
+    "F16": (np.float16, "float16", 2),
+    "BF16": (np.uint16, "bfloat16", 2),
+    "I64": (np.int64, "int64", 8),
+    "I32": (np.int32, "int32", 4),
+    "I16": (np.int16, "int16", 2),
+    "I8": (np.int8, "int8", 1),
+    "U64": (np.uint64, "uint64", 8),
+    "U32": (np.uint32, "uint32", 4),
+    "U16": (np.uint16, "uint16", 2),
+    "U8": (np.uint8, "uint8", 1),
+    "BOOL": (np.bool_, "bool_", 1),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, known from the header alone."""
+
+    name: str
+    dtype: str  # safetensors spelling: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in `file`
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors header: (tensors, metadata). Reads no tensor data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(
+                    f"{path}: header claims {header_len} bytes but the file has {size - 8} after the length "
+                    f"field (truncated or not a safetensors file)"
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: header is not valid JSON ({err}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt")
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_start = 8 + header_len
+    data_len = size - data_start
+    tensors = {}
+    for name, entry in header.items():
+        tensors[name] = _tensor_info(path, name, entry, data_start, data_len)
+    return tensors, metadata
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not a valid [begin, end] pair")
+    expected = int(np.prod(shape, dtype=np.float64)) * DTYPES[dtype][2]
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointError(
+            f"{where}: {offsets[1] - offsets[0]} bytes stored but dtype {dtype} and shape {shape} need {expected}"
+        )
+    if offsets[1] > data_len:
+        raise CheckpointError(
+            f"{where}: data ends at byte {offsets[1]} but the file holds {data_len} bytes of data "
+            f"(truncated download?)"
+        )
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
+
+
+def read_tensor(info: TensorInfo):
+    """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype."""
+    import mlx.core as mx
+
+    np_dtype, mx_name, _ = DTYPES[info.dtype]
+    try:
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            buf = f.read(info.nbytes)
+    except OSError as err:
+        raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({err})") from None
+    if len(buf) != info.nbytes:
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} is cut short ({len(buf)} of {info.nbytes} bytes); "
+            f"the file was truncated after its header was read"
+        )
+    array = np.frombuffer(buf, dtype=np_dtype).reshape(info.shape)
+    out = mx.array(array)
+    if mx_name == "bfloat16":
+        out = out.view(mx.bfloat16)
+    return out
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory (or single file), known by name, read on demand.
+
+    >>> ckpt = Checkpoint(path)          # reads headers only
+    >>> ckpt.infos["lm_head.weight"].shape
+    >>> ckpt.load("lm_head.weight")      # reads that tensor's bytes only
+    """
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such file or directory")
+        self.path = path
+        self.files = self._find_files(path)
+        self.infos: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
+        for file in self.files:
+            tensors, metadata = read_header(file)
+            for name, info in tensors.items():
+                if name in self.infos:
+                    raise CheckpointError(f"{file}: tensor {name!r} also stored in {self.infos[name].file}")
+                self.infos[name] = info
+            self.metadata.update(metadata)
+        if self.index is not None:
+            self._check_index()
+
+    def _find_files(self, path: Path) -> list[Path]:
+        self.index = None
+        if path.is_file():
+            return [path]
+        index_path = path / INDEX_NAME
+        if index_path.exists():
+            try:
+                index = json.loads(index_path.read_text())
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({err})") from None
+            self.index = weight_map
+            shards = sorted(set(weight_map.values()))
+            for shard in shards:
+                if os.sep in shard or shard.startswith(".."):
+                    raise CheckpointError(f"{index_path}: shard name {shard!r} points outside the directory")
+                if not (path / shard).exists():
+                    raise CheckpointError(f"{index_path}: names shard {shard!r}, which is missing from {path}")
+            return [path / s for s in shards]
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
+        return files
+
+    def _check_index(self) -> None:
+        for name, shard in self.index.items():
+            info = self.infos.get(name)
+            if info is None or info.file.name != shard:
+                raise CheckpointError(
+                    f"{self.path / INDEX_NAME}: lists tensor {name!r} in {shard}, but {shard} does not contain it"
+                )
+
+    # ---- access -------------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def load(self, name: str):
+        """One tensor as an MLX array in its stored dtype; only its bytes are read."""
+        info = self.infos.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
+        return read_tensor(info)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.infos.values())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}: {len(self.infos)} tensors in {len(self.files)} files, {self.nbytes / 1e9:.2f} GB)"
+
+
+# ---- writing -----------------------------------------------------------------------------------------------
+MX_TO_SAFETENSORS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint32": "U32", "int32": "I32", "uint8": "U8"}
+
+
+def tensor_bytes(array) -> bytes:
+    """The raw little-endian bytes of an MLX array (bfloat16 through its uint16 view)."""
+    import mlx.core as mx
+
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.asarray(array).tobytes()
+
+
+def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None = None, sparse: bool = False) -> int:
+    """Stream tensors into one safetensors file, one at a time; returns the bytes written.
+
+    `entries` is a list of (name, dtype, shape, produce) where dtype is the safetensors spelling and
+    `produce()` returns the tensor's bytes when it is its turn, so only one tensor is in memory at once. With
+    `sparse=True` the data region is left as a hole (zeros, no disk blocks): checkpoints of the real model's
+    size for tests that read only headers.
+    """
+    path = Path(path)
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        if sparse:
+            f.truncate(8 + len(raw) + offset)
+        else:
+            for name, _, _, produce in entries:
+                data = produce()
+                if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                    raise CheckpointError(f"{path}: tensor {name!r} produced {len(data)} bytes, header says otherwise")
+                f.write(data)
+    return 8 + len(raw) + offset

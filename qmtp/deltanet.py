@@ -1,0 +1,108 @@
+"""Gated DeltaNet: the linear-attention mixer of three layers in four.
+
+Per token t and value head j (which reads key head j // (Hv / Hk)):
+
+    qkv_t = silu(causal depthwise conv over the last K projected inputs)
+    q_t, k_t = l2norm(q_t) / sqrt(Dk), l2norm(k_t)
+    beta_t = sigmoid(b_t),  g_t = -exp(A_log) * softplus(a_t + dt_bias)
+    S <- exp(g_t) S                                  # decay the memory
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T          # delta rule: write the correction for key k_t
+    o_t = S^T q_t
+
+then a gated RMSNorm with z and out_proj. The state S [B, Hv, Dk, Dv] and the last K-1 conv inputs are all
+that decoding carries, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig
+from .norms import GatedRMSNorm
+
+
+def l2_normalise(x: mx.array, eps: float = 1e-6) -> mx.array:
+    return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_delta_recurrence(q, k, v, g, beta, state, record: bool = False):
+    """Run the recurrence over the time axis.
+
+    q, k: [B, T, Hv, Dk] (already normalised and repeated to value heads); v: [B, T, Hv, Dv];
+    g, beta: [B, T, Hv]; state: [B, Hv, Dk, Dv]. Returns outputs [B, T, Hv, Dv], the final state, and (if
+    `record`) the state after every position.
+    """
+    decay = mx.exp(g)
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        state = state * decay[:, t, :, None, None]
+        k_t = k[:, t, :, None, :]  # [B, Hv, 1, Dk]
+        remembered = (k_t @ state)[:, :, 0]  # S^T k: [B, Hv, Dv]
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append((q[:, t, :, None, :] @ state)[:, :, 0])
+        if record:
+            states.append(state)
+    return mx.stack(outputs, axis=1), state, states
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H = config.hidden_size
+        self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.conv_dim = config.linear_conv_dim
+        key_total = self.n_k_heads * self.k_dim
+        self.split_points = [key_total, 2 * key_total]
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, config.linear_value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.n_v_heads, bias=False)
+        # MLX layout [C_out, K, C_in / groups]; the checkpoint's [C, 1, K] is moved here by the "conv" fix.
+        self.conv1d = {"weight": mx.zeros((self.conv_dim, self.kernel, 1))}
+        self.A_log = mx.zeros((self.n_v_heads,))
+        self.dt_bias = mx.zeros((self.n_v_heads,))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(config.linear_value_dim, H, bias=False)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, T, self.n_v_heads, self.v_dim)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
+            self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
+        )
+
+        past = cache.conv if cache is not None and cache.conv is not None else None
+        if past is None:
+            past = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype)
+        conv_in = mx.concatenate([past, qkv], axis=1)
+        conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d["weight"], groups=self.conv_dim))
+
+        q, k, v = mx.split(conv_out.astype(mx.float32), self.split_points, axis=-1)
+        q = l2_normalise(q.reshape(B, T, self.n_k_heads, self.k_dim)) * self.k_dim**-0.5
+        k = l2_normalise(k.reshape(B, T, self.n_k_heads, self.k_dim))
+        v = v.reshape(B, T, self.n_v_heads, self.v_dim)
+        repeat = self.n_v_heads // self.n_k_heads
+        if repeat > 1:
+            q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
+
+        state = cache.recurrent if cache is not None and cache.recurrent is not None else None
+        if state is None:
+            state = mx.zeros((B, self.n_v_heads, self.k_dim, self.v_dim), mx.float32)
+        record = cache is not None and cache.record
+        out, state, states = gated_delta_recurrence(q, k, v, g, beta, state, record)
+        if cache is not None:
+            keep = self.kernel - 1
+            cache.conv = conv_in[:, -keep:]
+            cache.recurrent = state
+            cache.offset += T
+            if record:
+                cache.history = [(conv_in[:, t + 1: t + 1 + keep], s) for t, s in enumerate(states)]
+
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(B, T, -1))

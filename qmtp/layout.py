@@ -1,0 +1,318 @@
+"""Every released naming, mapped to one internal naming.
+
+Checkpoints of this family come in several layouts:
+
+* prefixes: `model.language_model.*` (Qwen3.5/3.6 release), `model.*` (text-only exports, Qwen3-Next),
+  `language_model.model.*` (mlx-lm conversions); the head always under `mtp.*`; vision under `model.visual.*`;
+* routed experts: fused `experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` [E, H, I] (release trunk),
+  one by one `experts.{e}.{gate,up,down}_proj.weight` (Qwen3-Next, the release's head), or already stacked
+  `switch_mlp.{gate,up,down}_proj.weight` (mlx-lm);
+* linear-attention projections: split (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) or fused per
+  key head (`in_proj_qkvz`, `in_proj_ba`, Qwen3-Next).
+
+`plan()` reads only names and shapes and returns, for each internal tensor, a `Recipe` saying which stored
+tensors make it and how. `Reader.materialise()` executes one recipe, so a loader or converter holds at most
+one tensor group (a layer's stacked experts) in memory. The internal names are the attribute paths of
+`qmtp.model.Model`: trunk tensors without prefix (`layers.3.self_attn.q_proj.weight`), head tensors under
+`mtp.`, experts stacked as `mlp.experts.{gate,up,down}_proj.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .checkpoint import Checkpoint
+from .config import FULL, LINEAR, ModelConfig
+from .errors import CheckpointError, TensorShapeError
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one internal tensor is made from stored ones."""
+
+    op: str  # "copy" | "slice" | "stack" | "unfuse"
+    sources: tuple[str, ...]
+    # op arguments: for "slice", (axis, start, stop); for "unfuse", the part name ("q", "k", "v", "z", "b", "a")
+    args: tuple = ()
+
+    def __repr__(self) -> str:
+        src = self.sources[0] if len(self.sources) == 1 else f"{self.sources[0]} .. ({len(self.sources)} tensors)"
+        return f"{self.op}({src}{', ' + str(self.args) if self.args else ''})"
+
+
+@dataclass
+class Plan:
+    """The result of mapping a checkpoint: recipes per internal name, and what did not map."""
+
+    recipes: dict[str, Recipe]
+    skipped: list[str] = field(default_factory=list)  # vision tensors, deliberately ignored
+    unknown: list[str] = field(default_factory=list)  # names no rule recognised
+    head_present: bool = False
+    head_has_routed_experts: bool = False
+
+
+def internal_name(stored: str) -> str | None:
+    """Strip a stored name's prefix; None for tensors qmtp ignores (vision)."""
+    if stored.startswith(SKIPPED_PREFIXES):
+        return None
+    if stored.startswith("mtp."):
+        return stored
+    if stored in ("lm_head.weight", "language_model.lm_head.weight"):
+        return "lm_head.weight"
+    for prefix in TRUNK_PREFIXES:
+        if stored.startswith(prefix):
+            return stored[len(prefix):]
+    return stored
+
+
+_EXPERT_ONE = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+_EXPERT_FUSED = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<proj>gate_up|down)_proj$")
+_EXPERT_STACKED = re.compile(r"^(?P<mlp>.*\.mlp)\.switch_mlp\.(?P<proj>gate|up|down)_proj\.weight$")
+_FUSED_LINEAR = re.compile(r"^(?P<attn>.*\.linear_attn)\.in_proj_(?P<which>qkvz|ba)\.weight$")
+
+
+def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
+    """Map every stored tensor to internal names without reading any tensor data."""
+    recipes: dict[str, Recipe] = {}
+    skipped, unknown = [], []
+    per_expert: dict[tuple[str, str], dict[int, str]] = {}
+    inter = config.moe_intermediate_size
+
+    for stored in ckpt.names():
+        name = internal_name(stored)
+        if name is None:
+            skipped.append(stored)
+            continue
+        if m := _EXPERT_ONE.match(name):
+            per_expert.setdefault((m["mlp"], m["proj"]), {})[int(m["e"])] = stored
+        elif m := _EXPERT_FUSED.match(name):
+            base = f"{m['mlp']}.experts"
+            if m["proj"] == "down":
+                recipes[f"{base}.down_proj.weight"] = Recipe("copy", (stored,))
+            else:
+                recipes[f"{base}.gate_proj.weight"] = Recipe("slice", (stored,), (1, 0, inter))
+                recipes[f"{base}.up_proj.weight"] = Recipe("slice", (stored,), (1, inter, 2 * inter))
+        elif m := _EXPERT_STACKED.match(name):
+            recipes[f"{m['mlp']}.experts.{m['proj']}_proj.weight"] = Recipe("copy", (stored,))
+        elif m := _FUSED_LINEAR.match(name):
+            parts = ("q", "k", "v", "z") if m["which"] == "qkvz" else ("b", "a")
+            for part in parts:
+                recipes[f"{m['attn']}.{_UNFUSED_NAME[part]}"] = Recipe("unfuse", (stored,), (part,))
+        else:
+            recipes[name] = Recipe("copy", (stored,))
+
+    for (mlp, proj), by_index in per_expert.items():
+        expected = set(range(config.num_experts))
+        if set(by_index) != expected:
+            missing = sorted(expected - set(by_index))[:5]
+            raise CheckpointError(
+                f"{ckpt.path}: {mlp}.experts has {len(by_index)} of {config.num_experts} {proj}_proj tensors "
+                f"(missing e.g. experts {missing})"
+            )
+        recipes[f"{mlp}.experts.{proj}_proj.weight"] = Recipe(
+            "stack", tuple(by_index[e] for e in range(config.num_experts))
+        )
+
+    # Qwen3-Next's q, k, v parts become one in_proj_qkv, as in the split layout.
+    for name in [n for n in recipes if n.endswith(".in_proj_q.weight")]:
+        attn = name[: -len(".in_proj_q.weight")]
+        src = recipes.pop(name).sources
+        recipes.pop(f"{attn}.in_proj_k.weight")
+        recipes.pop(f"{attn}.in_proj_v.weight")
+        recipes[f"{attn}.in_proj_qkv.weight"] = Recipe("unfuse", src, ("qkv",))
+
+    known = expected_shapes(config, head=True)
+    for name in list(recipes):
+        if name not in known and not name.endswith(".conv1d.weight"):
+            unknown.append(recipes.pop(name).sources[0])
+    head_present = any(n.startswith("mtp.") for n in recipes)
+    head_experts = all(
+        f"mtp.layers.0.mlp.experts.{p}_proj.weight" in recipes for p in ("gate", "up", "down")
+    )
+    return Plan(recipes, skipped, unknown, head_present, head_present and head_experts)
+
+
+_UNFUSED_NAME = {
+    "q": "in_proj_q.weight",
+    "k": "in_proj_k.weight",
+    "v": "in_proj_v.weight",
+    "z": "in_proj_z.weight",
+    "b": "in_proj_b.weight",
+    "a": "in_proj_a.weight",
+}
+
+
+# ---- expected shapes ------------------------------------------------------------------------------------
+def layer_shapes(config: ModelConfig, prefix: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's tensors (internal names under `prefix`), conv in MLX layout."""
+    H, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    S = config.shared_expert_intermediate_size
+    shapes = {
+        f"{prefix}input_layernorm.weight": (H,),
+        f"{prefix}post_attention_layernorm.weight": (H,),
+        f"{prefix}mlp.gate.weight": (E, H),
+        f"{prefix}mlp.experts.gate_proj.weight": (E, I, H),
+        f"{prefix}mlp.experts.up_proj.weight": (E, I, H),
+        f"{prefix}mlp.experts.down_proj.weight": (E, H, I),
+        f"{prefix}mlp.shared_expert.gate_proj.weight": (S, H),
+        f"{prefix}mlp.shared_expert.up_proj.weight": (S, H),
+        f"{prefix}mlp.shared_expert.down_proj.weight": (H, S),
+        f"{prefix}mlp.shared_expert_gate.weight": (1, H),
+    }
+    if kind == LINEAR:
+        a = f"{prefix}linear_attn."
+        Hv = config.linear_num_value_heads
+        shapes.update({
+            f"{a}in_proj_qkv.weight": (config.linear_conv_dim, H),
+            f"{a}in_proj_z.weight": (config.linear_value_dim, H),
+            f"{a}in_proj_b.weight": (Hv, H),
+            f"{a}in_proj_a.weight": (Hv, H),
+            f"{a}conv1d.weight": (config.linear_conv_dim, config.linear_conv_kernel_dim, 1),
+            f"{a}A_log": (Hv,),
+            f"{a}dt_bias": (Hv,),
+            f"{a}norm.weight": (config.linear_value_head_dim,),
+            f"{a}out_proj.weight": (H, config.linear_value_dim),
+        })
+    else:
+        a = f"{prefix}self_attn."
+        D, Hq, Hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        shapes.update({
+            f"{a}q_proj.weight": (Hq * D * 2, H),
+            f"{a}k_proj.weight": (Hkv * D, H),
+            f"{a}v_proj.weight": (Hkv * D, H),
+            f"{a}o_proj.weight": (H, Hq * D),
+            f"{a}q_norm.weight": (D,),
+            f"{a}k_norm.weight": (D,),
+        })
+    return shapes
+
+
+def expected_shapes(config: ModelConfig, head: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every internal tensor of trunk (and head) with its shape after the fixes."""
+    H, V = config.hidden_size, config.vocab_size
+    shapes = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i, kind in enumerate(config.layer_types):
+        shapes.update(layer_shapes(config, f"layers.{i}.", kind))
+    if head and config.has_mtp:
+        shapes.update({
+            "mtp.fc.weight": (H, 2 * H),
+            "mtp.pre_fc_norm_embedding.weight": (H,),
+            "mtp.pre_fc_norm_hidden.weight": (H,),
+            "mtp.norm.weight": (H,),
+        })
+        shapes.update(layer_shapes(config, "mtp.layers.0.", FULL))
+    return shapes
+
+
+def head_routed_expert_names() -> tuple[str, ...]:
+    return tuple(f"mtp.layers.0.mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+def recipe_shape(ckpt: Checkpoint, recipe: Recipe, config: ModelConfig) -> tuple[int, ...]:
+    """The shape a recipe produces, from headers alone."""
+    first = ckpt.infos[recipe.sources[0]].shape
+    if recipe.op == "copy":
+        return first
+    if recipe.op == "slice":
+        axis, start, stop = recipe.args
+        return first[:axis] + (stop - start,) + first[axis + 1:]
+    if recipe.op == "stack":
+        return (len(recipe.sources),) + first
+    if recipe.op == "unfuse":
+        return (_unfused_rows(config, recipe.args[0]), first[1])
+    raise ValueError(recipe.op)
+
+
+def _unfused_rows(config: ModelConfig, part: str) -> int:
+    rows = {
+        "qkv": config.linear_conv_dim,
+        "z": config.linear_value_dim,
+        "b": config.linear_num_value_heads,
+        "a": config.linear_num_value_heads,
+    }
+    return rows[part]
+
+
+def check_shapes(ckpt: Checkpoint, p: Plan, config: ModelConfig) -> None:
+    """Raise TensorShapeError naming the stored tensor whose shape disagrees with the config."""
+    expected = expected_shapes(config, head=True)
+    for name, recipe in p.recipes.items():
+        got = recipe_shape(ckpt, recipe, config)
+        want = expected[name]
+        if name.endswith("conv1d.weight"):
+            # Stored [C, 1, K] (PyTorch) or [C, K, 1] (already in MLX layout): both are legitimate.
+            ok = got in (want, (want[0], 1, want[1]))
+        else:
+            ok = got == want
+        if not ok:
+            info = ckpt.infos[recipe.sources[0]]
+            raise TensorShapeError(
+                f"{info.file}: tensor {info.name!r} gives {name} of shape {list(got)}, but the config "
+                f"({config.model_type}, hidden_size={config.hidden_size}) implies {list(want)}"
+            )
+
+
+# ---- executing recipes -----------------------------------------------------------------------------------
+class Reader:
+    """Executes recipes against a checkpoint, keeping the last stored tensor read (gate_up is sliced twice)."""
+
+    def __init__(self, ckpt: Checkpoint, config: ModelConfig):
+        self.ckpt, self.config = ckpt, config
+        self._last: tuple[str, object] | None = None
+
+    def _read(self, stored: str):
+        if self._last is not None and self._last[0] == stored:
+            return self._last[1]
+        array = self.ckpt.load(stored)
+        self._last = (stored, array)
+        return array
+
+    def materialise(self, recipe: Recipe):
+        import mlx.core as mx
+
+        if recipe.op == "copy":
+            return self.ckpt.load(recipe.sources[0])
+        if recipe.op == "slice":
+            axis, start, stop = recipe.args
+            w = self._read(recipe.sources[0])
+            index = [slice(None)] * w.ndim
+            index[axis] = slice(start, stop)
+            return w[tuple(index)]
+        if recipe.op == "stack":
+            return mx.stack([self.ckpt.load(s) for s in recipe.sources])
+        if recipe.op == "unfuse":
+            return unfuse_linear_projection(self._read(recipe.sources[0]), recipe.args[0], self.config)
+        raise ValueError(f"unknown recipe op {recipe.op!r}")
+
+
+def unfuse_linear_projection(w, part: str, config: ModelConfig):
+    """Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` rows, grouped per key head, to the split layout.
+
+    Per key head g the fused rows are [q_g (dk), k_g (dk), v_g (r*dv), z_g (r*dv)] with r value heads per key
+    head; `in_proj_ba` is [b_g (r), a_g (r)]. The split layout wants all q rows, then all k, then all v.
+    """
+    import mlx.core as mx
+
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    r, dv = config.linear_num_value_heads // nk, config.linear_value_head_dim
+    H = w.shape[-1]
+    if part in ("b", "a"):
+        grouped = w.reshape(nk, 2 * r, H)
+        start = 0 if part == "b" else r
+        return grouped[:, start:start + r].reshape(nk * r, H)
+    grouped = w.reshape(nk, 2 * dk + 2 * r * dv, H)
+    bounds = {"q": (0, dk), "k": (dk, 2 * dk), "v": (2 * dk, 2 * dk + r * dv), "z": (2 * dk + r * dv, 2 * dk + 2 * r * dv)}
+
+    def rows(p):
+        s, e = bounds[p]
+        return grouped[:, s:e].reshape(-1, H)
+
+    if part == "qkv":
+        return mx.concatenate([rows("q"), rows("k"), rows("v")], axis=0)
+    return rows(part)

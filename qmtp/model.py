@@ -1,0 +1,213 @@
+"""Qwen3.6-35B-A3B assembled from its blocks: the trunk, the MTP head, and `load()`.
+
+    x = embed_tokens(tokens)
+    for each layer (3 gated-DeltaNet layers, then 1 gated-attention layer, repeated):
+        h = x + mixer(input_layernorm(x))
+        x = h + moe(post_attention_layernorm(h))
+    h_t = norm(x);  logits = lm_head(h_t)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import fixes as fixes_mod
+from . import layout
+from .attention import GatedAttention
+from .cache import KVCache, LinearCache, ModelCache
+from .checkpoint import Checkpoint
+from .config import LINEAR, ModelConfig
+from .deltanet import GatedDeltaNet
+from .errors import CheckpointError, QmtpError
+from .moe import SparseMoE
+from .mtp import MTPHead
+from .norms import RMSNorm
+
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
+
+# Kept in float32 whatever the model dtype: the decay rates exp(A_log) are sensitive to rounding.
+FLOAT32_PARAMETERS = (".A_log",)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, kind: str, routed_experts: bool = True):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoE(config, routed_experts=routed_experts)
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        mixer = self.linear_attn if self.kind == LINEAR else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    """Trunk and MTP head. `model(tokens)` returns logits [B, T, vocab] like an mlx-lm model."""
+
+    def __init__(self, config: ModelConfig, head: bool = True, head_routed_experts: bool = True):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.layers = [DecoderLayer(config, kind) for kind in config.layer_types]
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config, routed_experts=head_routed_experts) if head and config.has_mtp else None
+        self.fixes_applied: tuple[str, ...] = ()
+        self.path: Path | None = None
+        self.tokenizer = None
+
+    # ---- trunk ------------------------------------------------------------------------------------------
+    def trunk(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
+        """tokens [B, T] -> (state before the final norm, h after it), both [B, T, H]."""
+        x = self.embed_tokens(tokens)
+        caches = cache.layers if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, caches):
+            x = layer(x, c)
+        return x, self.norm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Score hidden states with lm_head (shared by trunk and head)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> mx.array:
+        return self.logits(self.trunk(tokens, cache)[1])
+
+    def hidden_states(self, tokens: mx.array, cache: ModelCache | None = None, prenorm: bool = False) -> mx.array:
+        """The trunk's output after the final norm (what lm_head scores), or before it with `prenorm`."""
+        pre, post = self.trunk(tokens, cache)
+        return pre if prenorm else post
+
+    # ---- head -------------------------------------------------------------------------------------------
+    def require_head(self) -> MTPHead:
+        if self.mtp is None:
+            where = f" {self.path}" if self.path else ""
+            raise QmtpError(f"model{where} has no MTP head (no mtp.* tensors); it cannot draft")
+        return self.mtp
+
+    def mtp_logits(self, tokens: mx.array, prenorm: bool = False) -> mx.array:
+        """Teacher-forced head logits [B, T-1, vocab]: position t from h_t and x_{t+1}, predicting x_{t+2}."""
+        head = self.require_head()
+        h = self.hidden_states(tokens, prenorm=prenorm)[:, :-1]
+        return self.logits(head(h, self.embed_tokens(tokens[:, 1:])))
+
+    def make_cache(self) -> ModelCache:
+        layers = [LinearCache() if kind == LINEAR else KVCache() for kind in self.config.layer_types]
+        return ModelCache(layers, KVCache() if self.mtp is not None else None)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def __repr__(self) -> str:
+        c = self.config
+        head = "none" if self.mtp is None else ("full" if self.mtp.has_routed_experts else "shared expert only")
+        return (
+            f"Model({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts top-"
+            f"{c.num_experts_per_tok}, vocab {c.vocab_size}, MTP head: {head}, fixes {self.fixes_applied}, {self.dtype})"
+        )
+
+
+def default_dtype():
+    """float32 on the CPU (its gather_mm computes only float32), bfloat16 on an accelerator."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+
+
+def resolve_path(path) -> Path:
+    """An explicit path, else $QMTP_MODEL, else the bundled tiny model."""
+    if path is None:
+        path = os.environ.get("QMTP_MODEL") or BUNDLED_MODEL
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such model directory")
+    return path
+
+
+def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True) -> Model:
+    """Load a checkpoint directory (any released layout) into a `Model`.
+
+    `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
+    stored. Fixes a qmtp-written checkpoint records as already applied are never applied again.
+    With no path: $QMTP_MODEL if set, else the bundled tiny model.
+    """
+    path = resolve_path(path)
+    requested = fixes_mod.validate(fixes)
+    dtype = dtype or default_dtype()
+    config = ModelConfig.from_file(path)
+    ckpt = Checkpoint(path)
+    if any(n.endswith(".scales") for n in ckpt.names()):
+        raise QmtpError(f"{path}: holds quantized tensors; qmtp.load reads unquantized (bf16/f16/f32) checkpoints")
+    plan = layout.plan(ckpt, config)
+    layout.check_shapes(ckpt, plan, config)
+
+    trunk_names = layout.expected_shapes(config, head=False)
+    missing = [n for n in trunk_names if n not in plan.recipes]
+    if missing:
+        raise CheckpointError(
+            f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); "
+            f"the checkpoint is incomplete or of another layout"
+        )
+    with_head = head and config.has_mtp and plan.head_present
+    head_routed = with_head and plan.head_has_routed_experts
+    if with_head:
+        head_names = [n for n in layout.expected_shapes(config, head=True) if n.startswith("mtp.")]
+        absent = [n for n in head_names if n not in plan.recipes and n not in layout.head_routed_expert_names()]
+        if absent:
+            raise CheckpointError(f"{path}: MTP head tensor {absent[0]} is missing ({len(absent)} in all)")
+        if not head_routed:
+            warnings.warn(
+                f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
+                f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
+                f"that of the complete head.",
+                stacklevel=2,
+            )
+
+    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items() if n.endswith("conv1d.weight")), None)
+    done = fixes_mod.already_applied(ckpt.metadata, conv_shape)
+    applying = fixes_mod.to_apply(requested, ckpt.metadata, conv_shape)
+
+    model = Model(config, head=with_head, head_routed_experts=head_routed)
+    reader = layout.Reader(ckpt, config)
+    wanted = set(_flat_names(model))
+    weights = []
+    for name, recipe in plan.recipes.items():
+        if name not in wanted:
+            continue  # head tensors when the head is not loaded
+        w = fixes_mod.apply(name, reader.materialise(recipe), applying)
+        w = w.astype(mx.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
+        mx.eval(w)
+        weights.append((name, w))
+    loaded = {name for name, _ in weights}
+    if loaded != wanted:
+        absent = sorted(wanted - loaded)
+        raise CheckpointError(f"{path}: no tensor for {absent[0]} ({len(absent)} missing)")
+    # update(), not load_weights(): with fixes=() the raw conv kernel keeps its stored [C, 1, K] shape, so
+    # the chapter on the fixes can show what MLX does with it.
+    model.update(tree_unflatten(weights))
+    model.eval()
+    model.fixes_applied = tuple(f for f in fixes_mod.FIXES if f in done or f in applying)
+    model.path = path
+    if tokenizer and (path / "tokenizer.json").exists():
+        from .tokenizer import Tokenizer
+
+        model.tokenizer = Tokenizer.from_dir(path)
+    return model
+
+
+def _flat_names(module: nn.Module) -> list[str]:
+    return [name for name, _ in tree_flatten(module.parameters())]

@@ -1,0 +1,96 @@
+"""The sparse mixture of experts of every layer (trunk and head alike).
+
+    p = softmax(router(x))                      # over all E experts, in float32
+    top-k experts by p, weights renormalised to sum to 1
+    routed = sum_e w_e * down_e(silu(gate_e x) * up_e x)
+    shared = sigmoid(shared_expert_gate x) * shared_expert(x)
+    out = routed + shared
+
+The routed experts are stacked ([E, I, H] per projection) and applied with `mx.gather_mm`, which reads
+only the selected experts' rows: that is what makes the model "A3B", 3B active of 35B.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig
+
+
+class StackedLinear(nn.Module):
+    """E linear maps of the same shape in one [E, out, in] weight, applied per token to chosen experts."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        w = self.weight
+        # The CPU backend's gather_mm computes in float32 only.
+        if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            w, x = w.astype(mx.float32), x.astype(mx.float32)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
+
+
+class StackedExperts(nn.Module):
+    """All routed SwiGLU experts of a layer."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = StackedLinear(n_experts, hidden, intermediate)
+        self.up_proj = StackedLinear(n_experts, hidden, intermediate)
+        self.down_proj = StackedLinear(n_experts, intermediate, hidden)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [N, H], indices [N, k] -> [N, k, H]: each token through each of its k experts."""
+        x = x[:, None, None, :]  # [N, 1, 1, H]: one row, broadcast against the k chosen experts
+        h = nn.silu(self.gate_proj(x, indices)) * self.up_proj(x, indices)  # [N, k, 1, I]
+        return self.down_proj(h, indices)[:, :, 0, :]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(logits: mx.array, top_k: int, renormalise: bool = True) -> tuple[mx.array, mx.array]:
+    """Router logits [N, E] -> (expert indices [N, k], weights [N, k]); softmax in float32."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    indices = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[:, :top_k]
+    weights = mx.take_along_axis(probs, indices, axis=-1)
+    if renormalise:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return indices, weights
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, routed_experts: bool = True):
+        super().__init__()
+        H = config.hidden_size
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(H, config.num_experts, bias=False)
+        # A head converted without its routed experts (as some conversions ship it) runs on the shared
+        # expert alone; the model says so loudly when it loads one.
+        self.experts = StackedExperts(config.num_experts, H, config.moe_intermediate_size) if routed_experts else None
+        self.shared_expert = SwiGLU(H, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.routing_log: list | None = None  # set to a list to collect the expert indices of every call
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        out = mx.sigmoid(self.shared_expert_gate(flat).astype(mx.float32)) * self.shared_expert(flat).astype(mx.float32)
+        if self.experts is not None:
+            indices, weights = route(self.gate(flat), self.top_k, self.renormalise)
+            if self.routing_log is not None:
+                self.routing_log.append(indices)
+            routed = self.experts(flat, indices)  # [N, k, H]
+            out = out + (routed.astype(mx.float32) * weights[..., None]).sum(axis=-2)
+        return out.astype(x.dtype).reshape(shape)

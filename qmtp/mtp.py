@@ -1,0 +1,41 @@
+"""The Multi-Token-Prediction head: one extra decoder layer that guesses the token after next.
+
+At position t it combines what the trunk knows (h_t, the trunk's output after its final norm: the tensor
+lm_head scores) with the token the trunk is about to emit (x_{t+1}):
+
+    z = fc([pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])      # embedding first
+    z = decoder_layer(z)              # full attention with its own KV cache, its own router, 256 experts
+    logits(x_{t+2}) = lm_head(mtp.norm(z))                                          # the trunk's lm_head
+
+For a second draft the same layer runs again on its own post-norm output and the token it drafted.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import FULL, ModelConfig
+from .norms import RMSNorm
+
+
+class MTPHead(nn.Module):
+    def __init__(self, config: ModelConfig, routed_experts: bool = True):
+        super().__init__()
+        from .model import DecoderLayer  # the head's layer is a trunk layer; imported late to avoid a cycle
+
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(H, eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = [DecoderLayer(config, FULL, routed_experts=routed_experts)]
+        self.norm = RMSNorm(H, eps)
+
+    @property
+    def has_routed_experts(self) -> bool:
+        return self.layers[0].mlp.experts is not None
+
+    def __call__(self, hidden: mx.array, next_embedding: mx.array, cache=None) -> mx.array:
+        """hidden h_t and embed(x_{t+1}), both [B, T, H] -> the head's post-norm state [B, T, H]."""
+        z = self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embedding), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        return self.norm(self.layers[0](z, cache))
