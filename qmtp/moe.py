@@ -70,6 +70,18 @@ def route(logits: mx.array, top_k: int, renormalise: bool = True) -> tuple[mx.ar
     return indices, weights
 
 
+def balance_term(logits: mx.array, indices: mx.array, n_experts: int) -> mx.array:
+    """Switch-Transformer load balancing: E * sum_e f_e P_e, which is 1 when routing is uniform.
+
+    f_e is the fraction of routing slots that went to expert e (no gradient), P_e the mean router
+    probability of e; minimising the product spreads tokens over the experts.
+    """
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    counts = mx.zeros((n_experts,)).at[indices.reshape(-1)].add(1.0)
+    fraction = mx.stop_gradient(counts / indices.size)
+    return n_experts * mx.sum(fraction * probs.mean(axis=0))
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, routed_experts: bool = True):
         super().__init__()
@@ -82,15 +94,19 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(H, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.routing_log: list | None = None  # set to a list to collect the expert indices of every call
+        self.balance_log: list | None = None  # set to a list (in training) to collect the load-balancing term
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         out = mx.sigmoid(self.shared_expert_gate(flat).astype(mx.float32)) * self.shared_expert(flat).astype(mx.float32)
         if self.experts is not None:
-            indices, weights = route(self.gate(flat), self.top_k, self.renormalise)
+            logits = self.gate(flat)
+            indices, weights = route(logits, self.top_k, self.renormalise)
             if self.routing_log is not None:
                 self.routing_log.append(indices)
+            if self.balance_log is not None:
+                self.balance_log.append(balance_term(logits, indices, self.gate.weight.shape[0]))
             routed = self.experts(flat, indices)  # [N, k, H]
             out = out + (routed.astype(mx.float32) * weights[..., None]).sum(axis=-2)
         return out.astype(x.dtype).reshape(shape)
