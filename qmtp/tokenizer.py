@@ -1,0 +1,242 @@
+"""Tokenizers: train a small byte-level BPE for the toy model, save it, load any ``tokenizer.json``.
+
+The toy model uses a byte-level BPE trained here on the synthetic corpus (:mod:`qmtp.corpus`);
+the real Qwen3.6 checkpoint ships its own byte-level BPE in ``tokenizer.json``. Both load through
+:meth:`Tokenizer.from_dir`, which needs only the HuggingFace ``tokenizers`` library, not
+``transformers``.
+
+Byte-level BPE maps every byte to a token before merging, so any string round-trips:
+``decode(encode(s)) == s`` (for the Qwen tokenizer, up to its NFC normalisation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from qmtp.errors import CheckpointError, UsageError
+
+__all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
+
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int = 1024,
+    special_tokens: Sequence[str] = (EOS_TOKEN,),
+) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE on ``texts`` and return the ``tokenizers.Tokenizer``.
+
+    ``vocab_size`` counts everything: the special tokens (ids 0, 1, ... in the order given), the
+    256 byte symbols, then the merges. Words are split with the GPT-2 regex of the ByteLevel
+    pre-tokenizer, without a prefix space, so ``"Tom"`` at the start of a document and ``" Tom"``
+    after a space are different tokens, as in Qwen's tokenizer.
+
+    Training is deterministic: the same texts in the same order give a byte-identical
+    ``tokenizer.json`` (checked by the tests across separate processes).
+    """
+    if isinstance(texts, str):
+        raise UsageError("texts must be an iterable of strings, not a single string; wrap it in a list")
+    if isinstance(special_tokens, str):
+        raise UsageError(f"special_tokens must be a sequence of strings, not the string {special_tokens!r}")
+    specials = list(special_tokens)
+    if len(set(specials)) != len(specials) or not all(isinstance(t, str) and t for t in specials):
+        raise UsageError(f"special_tokens must be distinct non-empty strings, got {specials!r}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    minimum = len(alphabet) + len(specials)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
+        raise UsageError(
+            f"vocab_size must be an integer >= {minimum} (256 bytes + {len(specials)} special "
+            f"tokens), got {vocab_size!r}"
+        )
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=specials,
+        initial_alphabet=sorted(alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save(
+    tokenizer: tokenizers.Tokenizer | Tokenizer,
+    directory: str | os.PathLike[str],
+    *,
+    eos_token: str = EOS_TOKEN,
+    model_max_length: int = 2048,
+) -> Path:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``; return it.
+
+    The config names ``PreTrainedTokenizerFast``, so ``transformers.AutoTokenizer`` accepts the
+    directory; ``eos_token`` is also the padding token (the toy model has no other special
+    token). Each file is written to a temporary file and moved into place with ``os.replace``,
+    so a reader never sees half a file. The directory is created if needed.
+    """
+    raw = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer
+    if not isinstance(raw, tokenizers.Tokenizer):
+        raise UsageError(f"expected a tokenizers.Tokenizer or qmtp Tokenizer, got {type(tokenizer).__name__}")
+    eos_id = raw.token_to_id(eos_token)
+    if eos_id is None:
+        raise UsageError(f"eos_token {eos_token!r} is not in the tokenizer's vocabulary")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    added = {
+        str(t_id): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for t_id, t in sorted(raw.get_added_tokens_decoder().items())
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": eos_token,
+        "pad_token": eos_token,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    _write_atomic(directory / TOKENIZER_FILE, raw.to_str(pretty=True).encode("utf-8"))
+    _write_atomic(
+        directory / CONFIG_FILE,
+        (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
+    )
+    return directory
+
+
+def _token_content(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """A loaded tokenizer: ``encode`` text to ids and ``decode`` ids back.
+
+    Wraps a ``tokenizers.Tokenizer``; ``backend`` exposes it for anything not covered here.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict | None = None) -> None:
+        if not isinstance(backend, tokenizers.Tokenizer):
+            raise UsageError(f"expected a tokenizers.Tokenizer, got {type(backend).__name__}")
+        self.backend = backend
+        self.config = dict(config or {})
+        self._eos_id = self._find_eos_id()
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load ``tokenizer.json`` (and ``tokenizer_config.json`` if present) from a model directory.
+
+        Works for the toy model's directory and for the Qwen3.6 checkpoint directory alike.
+        """
+        directory = Path(path)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: not a directory (expected a model directory holding {TOKENIZER_FILE})")
+        tok_path = directory / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise CheckpointError(f"{directory}: missing {TOKENIZER_FILE} (looked for {tok_path})")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_path))
+        except Exception as exc:  # the Rust side raises plain Exception on bad JSON
+            raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from exc
+        config: dict = {}
+        cfg_path = directory / CONFIG_FILE
+        if cfg_path.is_file():
+            try:
+                loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{cfg_path}: not valid JSON: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(loaded).__name__}")
+            config = loaded
+        return cls(backend, config)
+
+    def _find_eos_id(self) -> int | None:
+        eos = self.backend.token_to_id(EOS_TOKEN)
+        if eos is not None:
+            return eos
+        name = _token_content(self.config.get("eos_token"))
+        if name is not None:
+            return self.backend.token_to_id(name)
+        return None
+
+    @property
+    def eos_id(self) -> int | None:
+        """Id of ``<|endoftext|>`` if the vocabulary has it, else of the config's ``eos_token``, else None.
+
+        ``<|endoftext|>`` is the document separator in both the toy corpus and Qwen's
+        pre-training data. (Qwen's chat template ends a turn with ``<|im_end|>`` instead; that is
+        a different question from where a document ends.)
+        """
+        return self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added (special) tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS is added. Special-token strings in ``text`` map to their ids."""
+        if not isinstance(text, str):
+            raise UsageError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` for many texts at once (parallel in the Rust library)."""
+        if isinstance(texts, str):
+            raise UsageError("encode_batch expects a sequence of strings, not a single string")
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens are kept, so ``decode(encode(s)) == s``."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
