@@ -20,11 +20,19 @@ one tensor group (a layer's stacked experts) in memory. The internal names are t
 from __future__ import annotations
 
 import re
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint
 from .config import FULL, LINEAR, ModelConfig
-from .errors import CheckpointError, TensorShapeError
+from .errors import CheckpointError, TensorShapeError, UsageError
+
+# The stored layouts qmtp writes (synthetic checkpoints, the bundled model):
+#   "released"  Qwen3.6 as published: `model.language_model.*`, trunk experts fused, multimodal config
+#   "text"      a text-only export: `model.*`, experts one by one, flat config
+#   "next"      Qwen3-Next: `model.*`, fused in_proj_qkvz / in_proj_ba, experts one by one
+LAYOUTS = ("released", "text", "next")
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -316,3 +324,88 @@ def unfuse_linear_projection(w, part: str, config: ModelConfig):
     if part == "qkv":
         return mx.concatenate([rows("q"), rows("k"), rows("v")], axis=0)
     return rows(part)
+
+
+# ---- writing: internal names -> a stored layout ------------------------------------------------------------
+def stored_entries(config: ModelConfig, layout: str, value_of, head: bool = True, head_experts: bool = True,
+                   head_experts_fused: bool = False, expert_value=None):
+    """The inverse of `plan`: [(stored name, stored shape, produce)] for writing a checkpoint in `layout`.
+
+    `value_of(internal_name, shape)` returns a numpy array in the checkpoint's own conventions (zero-centred
+    norms, [C, 1, K] conv); `expert_value(internal_name, e, shape)`, if given, returns one expert's slice so
+    one-by-one layouts need not build the stacked tensor once per expert. Tensors are produced only when
+    called, so a writer streams them.
+    """
+    if layout not in LAYOUTS:
+        raise UsageError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    prefix = "model.language_model." if layout == "released" else "model."
+    shapes = expected_shapes(config, head=head)
+    if head and not head_experts:
+        for n in [n for n in shapes if n.startswith("mtp.") and ".experts." in n]:
+            del shapes[n]
+
+    def value(name):
+        return lambda: value_of(name, shapes[name])
+
+    if expert_value is None:
+        def expert_value(name, e, shape):
+            return value_of(name, shapes[name])[e]
+
+    def stored_shape(name):
+        s = shapes[name]
+        return (s[0], 1, s[1]) if name.endswith("conv1d.weight") else s
+
+    entries = []
+    done = set()
+    for name in shapes:
+        if name in done:
+            continue
+        is_head = name.startswith("mtp.")
+        out_name = name if is_head or name == "lm_head.weight" else prefix + name
+        if ".mlp.experts." in name:
+            mlp = name.split(".experts.")[0]
+            gate, up, down = (f"{mlp}.experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+            done.update((gate, up, down))
+            stem = mlp if is_head else prefix + mlp
+            fused = head_experts_fused if is_head else layout == "released"
+            if fused:
+                entries.append((f"{stem}.experts.gate_up_proj", (shapes[gate][0], 2 * shapes[gate][1], shapes[gate][2]),
+                                lambda g=gate, u=up: np.concatenate([value(g)(), value(u)()], axis=1)))
+                entries.append((f"{stem}.experts.down_proj", shapes[down], value(down)))
+            else:
+                for e in range(config.num_experts):
+                    for proj, full in (("gate", gate), ("up", up), ("down", down)):
+                        entries.append((f"{stem}.experts.{e}.{proj}_proj.weight", shapes[full][1:],
+                                        lambda f=full, e=e: expert_value(f, e, shapes[f][1:])))
+            continue
+        if layout == "next" and name.endswith("linear_attn.in_proj_qkv.weight"):
+            attn = name[: -len(".in_proj_qkv.weight")]
+            z = f"{attn}.in_proj_z.weight"
+            b, a = f"{attn}.in_proj_b.weight", f"{attn}.in_proj_a.weight"
+            done.update((name, z, b, a))
+            rows = shapes[name][0] + shapes[z][0]
+            entries.append((prefix + f"{attn}.in_proj_qkvz.weight", (rows, config.hidden_size),
+                            lambda n=name, z=z: fuse_qkvz(value(n)(), value(z)(), config)))
+            entries.append((prefix + f"{attn}.in_proj_ba.weight", (2 * config.linear_num_value_heads, config.hidden_size),
+                            lambda b=b, a=a: fuse_ba(value(b)(), value(a)(), config)))
+            continue
+        done.add(name)
+        entries.append((out_name, stored_shape(name), value(name)))
+    return entries
+
+
+def fuse_qkvz(qkv, z, config: ModelConfig):
+    """Split-layout q|k|v and z rows -> Qwen3-Next's rows grouped per key head [q_g, k_g, v_g, z_g]."""
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    r, dv = config.linear_num_value_heads // nk, config.linear_value_head_dim
+    H = qkv.shape[1]
+    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+    groups = [q.reshape(nk, dk, H), k.reshape(nk, dk, H), v.reshape(nk, r * dv, H), z.reshape(nk, r * dv, H)]
+    return np.concatenate(groups, axis=1).reshape(-1, H)
+
+
+def fuse_ba(b, a, config: ModelConfig):
+    nk = config.linear_num_key_heads
+    r = config.linear_num_value_heads // nk
+    H = b.shape[1]
+    return np.concatenate([b.reshape(nk, r, H), a.reshape(nk, r, H)], axis=1).reshape(-1, H)

@@ -25,12 +25,12 @@ class StackedLinear(nn.Module):
         super().__init__()
         self.weight = mx.zeros((n_experts, out_dims, in_dims))
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         w = self.weight
         # The CPU backend's gather_mm computes in float32 only.
         if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
             w, x = w.astype(mx.float32), x.astype(mx.float32)
-        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
 
 class StackedExperts(nn.Module):
@@ -42,11 +42,25 @@ class StackedExperts(nn.Module):
         self.up_proj = StackedLinear(n_experts, hidden, intermediate)
         self.down_proj = StackedLinear(n_experts, intermediate, hidden)
 
+    # Below this many (token, expert) pairs, sorting costs more than it saves.
+    sort_threshold = 64
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [N, H], indices [N, k] -> [N, k, H]: each token through each of its k experts."""
-        x = x[:, None, None, :]  # [N, 1, 1, H]: one row, broadcast against the k chosen experts
-        h = nn.silu(self.gate_proj(x, indices)) * self.up_proj(x, indices)  # [N, k, 1, I]
-        return self.down_proj(h, indices)[:, :, 0, :]
+        N, k = indices.shape
+        if N * k < self.sort_threshold:
+            x = x[:, None, None, :]  # [N, 1, 1, H]: one row, broadcast against the k chosen experts
+            h = nn.silu(self.gate_proj(x, indices)) * self.up_proj(x, indices)  # [N, k, 1, I]
+            return self.down_proj(h, indices)[:, :, 0, :]
+        # Many tokens (prefill, verification, training): group the (token, expert) pairs by expert so
+        # gather_mm multiplies each expert's rows together instead of one row at a time.
+        flat = indices.reshape(-1)
+        order = mx.argsort(flat)
+        experts = flat[order]
+        rows = x[order // k][:, None, :]  # [N * k, 1, H], sorted by expert
+        h = nn.silu(self.gate_proj(rows, experts, True)) * self.up_proj(rows, experts, True)
+        out = self.down_proj(h, experts, True)[:, 0, :]
+        return out[mx.argsort(order)].reshape(N, k, -1)
 
 
 class SwiGLU(nn.Module):
@@ -63,7 +77,7 @@ class SwiGLU(nn.Module):
 def route(logits: mx.array, top_k: int, renormalise: bool = True) -> tuple[mx.array, mx.array]:
     """Router logits [N, E] -> (expert indices [N, k], weights [N, k]); softmax in float32."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    indices = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[:, :top_k]
+    indices = mx.stop_gradient(mx.argpartition(-probs, kth=top_k - 1, axis=-1)[:, :top_k])
     weights = mx.take_along_axis(probs, indices, axis=-1)
     if renormalise:
         weights = weights / weights.sum(axis=-1, keepdims=True)

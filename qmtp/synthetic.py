@@ -24,9 +24,8 @@ from . import fixes as fixes_mod
 from .checkpoint import DTYPES, INDEX_NAME, write_safetensors
 from .config import ModelConfig
 from .errors import UsageError
-from .layout import expected_shapes
+from .layout import LAYOUTS, expected_shapes, stored_entries
 
-LAYOUTS = ("released", "text", "next")
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -96,79 +95,6 @@ def random_weights(config: ModelConfig, seed: int = 0, head: bool = True) -> dic
     return {n: stored_value(n, s, seed) for n, s in expected_shapes(config, head=head).items()}
 
 
-# ---- internal names -> stored names of a layout --------------------------------------------------------------
-def _stored_entries(config: ModelConfig, layout: str, seed: int, head: bool, head_experts: bool,
-                    head_experts_fused: bool):
-    """[(stored name, shape, produce float32 array)] in a deterministic order."""
-    prefix = "model.language_model." if layout == "released" else "model."
-    shapes = expected_shapes(config, head=head)
-    if head and not head_experts:
-        for n in [n for n in shapes if n.startswith("mtp.") and ".experts." in n]:
-            del shapes[n]
-
-    def value(name):
-        return lambda: stored_value(name, shapes[name], seed)
-
-    def stored_shape(name):
-        s = shapes[name]
-        return (s[0], 1, s[1]) if name.endswith("conv1d.weight") else s
-
-    entries = []
-    done = set()
-    for name in shapes:
-        if name in done:
-            continue
-        is_head = name.startswith("mtp.")
-        out_name = name if is_head or name == "lm_head.weight" else prefix + name
-        if ".mlp.experts." in name:
-            mlp = name.split(".experts.")[0]
-            gate, up, down = (f"{mlp}.experts.{p}_proj.weight" for p in ("gate", "up", "down"))
-            done.update((gate, up, down))
-            stem = mlp if is_head else prefix + mlp
-            fused = head_experts_fused if is_head else layout == "released"
-            if fused:
-                entries.append((f"{stem}.experts.gate_up_proj", (shapes[gate][0], 2 * shapes[gate][1], shapes[gate][2]),
-                                lambda g=gate, u=up: np.concatenate([value(g)(), value(u)()], axis=1)))
-                entries.append((f"{stem}.experts.down_proj", shapes[down], value(down)))
-            else:
-                for e in range(config.num_experts):
-                    for proj, full in (("gate", gate), ("up", up), ("down", down)):
-                        entries.append((f"{stem}.experts.{e}.{proj}_proj.weight", shapes[full][1:],
-                                        lambda f=full, e=e: expert_value(f, e, shapes[f][1:], seed)))
-            continue
-        if layout == "next" and name.endswith("linear_attn.in_proj_qkv.weight"):
-            attn = name[: -len(".in_proj_qkv.weight")]
-            z = f"{attn}.in_proj_z.weight"
-            b, a = f"{attn}.in_proj_b.weight", f"{attn}.in_proj_a.weight"
-            done.update((name, z, b, a))
-            rows = shapes[name][0] + shapes[z][0]
-            entries.append((prefix + f"{attn}.in_proj_qkvz.weight", (rows, config.hidden_size),
-                            lambda n=name, z=z: fuse_qkvz(value(n)(), value(z)(), config)))
-            entries.append((prefix + f"{attn}.in_proj_ba.weight", (2 * config.linear_num_value_heads, config.hidden_size),
-                            lambda b=b, a=a: fuse_ba(value(b)(), value(a)(), config)))
-            continue
-        done.add(name)
-        entries.append((out_name, stored_shape(name), value(name)))
-    return entries
-
-
-def fuse_qkvz(qkv: np.ndarray, z: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """Split-layout q|k|v and z rows -> Qwen3-Next's rows grouped per key head [q_g, k_g, v_g, z_g]."""
-    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
-    r, dv = config.linear_num_value_heads // nk, config.linear_value_head_dim
-    H = qkv.shape[1]
-    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
-    groups = [q.reshape(nk, dk, H), k.reshape(nk, dk, H), v.reshape(nk, r * dv, H), z.reshape(nk, r * dv, H)]
-    return np.concatenate(groups, axis=1).reshape(-1, H)
-
-
-def fuse_ba(b: np.ndarray, a: np.ndarray, config: ModelConfig) -> np.ndarray:
-    nk = config.linear_num_key_heads
-    r = config.linear_num_value_heads // nk
-    H = b.shape[1]
-    return np.concatenate([b.reshape(nk, r, H), a.reshape(nk, r, H)], axis=1).reshape(-1, H)
-
-
 def _config_json(config: ModelConfig, layout: str) -> dict:
     if layout == "released":
         return config.to_released_dict()
@@ -221,7 +147,10 @@ def write_checkpoint(
 
     entries = [
         (name, dtype, shape, (lambda p=produce: _to_bytes(p(), dtype)))
-        for name, shape, produce in _stored_entries(config, layout, seed, head and config.has_mtp, head_experts, head_experts_fused)
+        for name, shape, produce in stored_entries(
+            config, layout, lambda n, shape: stored_value(n, shape, seed), head and config.has_mtp, head_experts,
+            head_experts_fused, expert_value=lambda n, e, shape: expert_value(n, e, shape, seed),
+        )
     ]
     if shards <= 1:
         write_safetensors(directory / "model.safetensors", entries, {"format": "pt"}, sparse=sparse)
