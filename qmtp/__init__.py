@@ -23,3 +23,7 @@ __all__ = [
     "UsageError",
     "load",
 ]
+
+from .speculative import Generation, Stats, generate  # noqa: E402
+
+__all__ += ["Generation", "Stats", "generate"]

@@ -1,0 +1,73 @@
+"""Writing a Model back in the released Qwen3.6 layout (how the bundled tiny model is shipped).
+
+The export undoes the two fixes, so that loading the file exercises exactly the code path of the real
+checkpoint: zero-centred norms are stored as (effective - 1), conv kernels as PyTorch's [C, 1, K], weights
+in bfloat16, keys under `model.language_model.` and `mtp.`, experts fused as `gate_up_proj` / `down_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import fixes as fixes_mod
+from .checkpoint import write_safetensors
+from .layout import stored_entries
+from .model import Model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def stored_form(name: str, w: mx.array) -> np.ndarray:
+    """Effective weight -> the checkpoint's convention (float32 numpy)."""
+    w = w.astype(mx.float32)
+    if fixes_mod.is_zero_centred_norm(name):
+        w = w - 1.0
+    elif fixes_mod.is_conv_kernel(name):
+        w = w.moveaxis(1, 2)  # [C, K, 1] -> [C, 1, K]
+    return np.array(w)
+
+
+def _bf16_bytes(array: np.ndarray) -> bytes:
+    return np.asarray(mx.array(array).astype(mx.bfloat16).view(mx.uint16)).tobytes()
+
+
+def export_released(model: Model, dest: str | Path, training_dir: str | Path | None = None) -> Path:
+    """Write config.json, model.safetensors and the tokenizer to `dest` (replaced atomically)."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = dict(tree_flatten(model.parameters()))
+    config = model.config
+    (tmp / "config.json").write_text(json.dumps(config.to_released_dict(), indent=2) + "\n")
+    entries = [
+        (name, "BF16", shape, lambda p=produce: _bf16_bytes(p()))
+        for name, shape, produce in stored_entries(
+            config, "released", lambda n, shape: stored_form(n, params[n]), head=model.mtp is not None,
+            head_experts=model.mtp is not None and model.mtp.has_routed_experts, head_experts_fused=True,
+        )
+    ]
+    write_safetensors(tmp / "model.safetensors", entries, {"format": "pt"})
+    if training_dir is not None:
+        data_dir = Path(training_dir) / "data"
+        for name in TOKENIZER_FILES:
+            shutil.copy2(data_dir / name, tmp / name)
+        curve = Path(training_dir) / "loss_curve.json"
+        if curve.exists():
+            shutil.copy2(curve, tmp / "loss_curve.json")
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, dest)
+    return dest

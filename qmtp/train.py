@@ -1,0 +1,306 @@
+"""Training the bundled tiny model: `python -m qmtp.train OUT [--quick] [--minutes M]`.
+
+The tiny model is the real architecture scaled down (every layer a 256-expert top-8 MoE with a gated
+shared expert, 3 linear + 1 full attention layers repeated, gated attention with partial rotary, an MTP
+head that is a full decoder layer with its own 256 experts). It is trained here on the generated corpus
+of `qmtp.corpus` with three terms:
+
+    loss = CE(trunk logits at t, x_{t+1})
+         + mtp_weight * CE(head logits at t, x_{t+2})     # head sees h_t (post final norm) and embed(x_{t+1})
+         + balance_weight * mean over MoE layers of E * sum_e f_e P_e
+
+Seeded and resumable: every `--save-every` steps the weights, optimizer state and loss history are
+written to OUT/train_state (atomically), and a rerun with the same OUT continues from there. The result
+is exported in the released Qwen3.6 layout by `qmtp.export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from .config import ModelConfig
+from .model import Model
+
+# The tiny model: real layer pattern and expert count, toy widths. 8 trunk layers + the head's layer,
+# each with 256 experts of intermediate width 16: ~7.5 M parameters, ~15 MB in bf16.
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_theta=10_000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=4096,
+    mtp_num_hidden_layers=1,
+)
+# --quick: a smaller copy (same pattern, fewer experts) that trains in about a minute, for tests.
+QUICK = dict(TINY, num_hidden_layers=4, num_experts=32, num_experts_per_tok=4, hidden_size=48)
+
+
+def tiny_config(vocab_size: int, quick: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, **(QUICK if quick else TINY))
+
+
+def initialise(model: Model, seed: int) -> None:
+    """Fresh weights in effective form: norms at 1, linear maps ~ N(0, 1/fan_in), decays spread over [1, 16]."""
+    rng = np.random.default_rng(seed)
+    new = []
+    n_layers = model.config.num_hidden_layers + 1
+    for name, p in tree_flatten(model.parameters()):
+        shape = p.shape
+        if name.endswith("norm.weight"):
+            value = np.ones(shape)
+        elif name.endswith(".A_log"):
+            value = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith(".dt_bias"):
+            value = np.log(np.expm1(rng.uniform(0.001, 0.1, shape)))  # softplus^-1 of small time steps
+        elif name.endswith("conv1d.weight"):
+            value = rng.normal(0.0, shape[1] ** -0.5, shape)
+        elif name == "embed_tokens.weight":
+            value = rng.normal(0.0, 1.0, shape)
+        else:
+            std = shape[-1] ** -0.5
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                std /= math.sqrt(2 * n_layers)  # residual branches start small
+            value = rng.normal(0.0, std, shape)
+        new.append((name, mx.array(value.astype(np.float32))))
+    model.update(tree_unflatten(new))
+
+
+def moe_layers(model: Model):
+    layers = list(model.layers) + (list(model.mtp.layers) if model.mtp is not None else [])
+    return [layer.mlp for layer in layers]
+
+
+def losses(model: Model, batch: mx.array, balance: bool = True) -> dict[str, mx.array]:
+    """Trunk next-token CE, head CE for the token after next, and the balance term, on [B, T + 1] tokens."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    mlps = moe_layers(model)
+    for mlp in mlps:
+        mlp.balance_log = [] if balance else None
+    _, h = model.trunk(inputs)
+    trunk_ce = nn.losses.cross_entropy(model.logits(h), targets).mean()
+    head_state = model.mtp(h[:, :-1], model.embed_tokens(inputs[:, 1:]))
+    head_ce = nn.losses.cross_entropy(model.logits(head_state), targets[:, 1:]).mean()
+    terms = [t for mlp in mlps for t in (mlp.balance_log or [])]
+    for mlp in mlps:
+        mlp.balance_log = None
+    out = {"trunk": trunk_ce, "head": head_ce}
+    out["balance"] = mx.mean(mx.stack(terms)) if terms else mx.array(0.0)
+    return out
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Batches:
+    """Random windows of a token stream, reproducible from (seed, step)."""
+
+    def __init__(self, tokens: np.ndarray, batch: int, length: int, seed: int):
+        self.tokens, self.batch, self.length, self.seed = tokens, batch, length, seed
+
+    def __call__(self, step: int) -> mx.array:
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.tokens) - self.length - 1, self.batch)
+        return mx.array(np.stack([self.tokens[s: s + self.length + 1] for s in starts]).astype(np.int32))
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size: int) -> dict:
+    """Corpus -> tokenizer -> token streams, cached in OUT/data so a resumed run does not redo them."""
+    from . import corpus
+    from . import tokenizer as tok
+
+    data_dir = out / "data"
+    cached = data_dir / "tokens.npz"
+    if cached.exists():
+        arrays = np.load(cached, allow_pickle=False)
+        heldout = json.loads((data_dir / "heldout.json").read_text())
+        return {"train": arrays["train"], "heldout": heldout, "tokenizer": tok.Tokenizer.from_dir(data_dir)}
+
+    print(f"generating {n_train} training and {n_heldout} held-out documents (seed {seed})", flush=True)
+    docs = corpus.splits(seed=seed, n_train=n_train, n_heldout=n_heldout)
+    seen = {text for _, text in docs["train"]}
+    # Predictable registers (lists, arithmetic) repeat documents by chance; a held-out document that also
+    # occurs in training would measure memory, not generalisation, so it is dropped.
+    heldout = [(reg, text) for reg, text in docs["heldout"] if text not in seen]
+    sample, size = [], 0
+    for _, text in docs["train"]:
+        sample.append(text)
+        size += len(text)
+        if size > 2_000_000:
+            break
+    backend = tok.train_bpe(sample, vocab_size=vocab_size)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(backend, data_dir)
+    tokenizer = tok.Tokenizer.from_dir(data_dir)
+    print("tokenizing the training corpus", flush=True)
+    eos = tokenizer.eos_id
+    stream = []
+    texts = [text for _, text in docs["train"]]
+    for start in range(0, len(texts), 5000):
+        for ids in tokenizer.encode_batch(texts[start: start + 5000]):
+            stream.extend(ids)
+            stream.append(eos)
+    train = np.array(stream, dtype=np.uint16)
+    tmp = data_dir / "tokens.tmp.npz"
+    np.savez(tmp, train=train)
+    (data_dir / "heldout.json").write_text(json.dumps([{"register": r, "text": t} for r, t in heldout]))
+    os.replace(tmp, cached)
+    return {"train": train, "heldout": [{"register": r, "text": t} for r, t in heldout], "tokenizer": tokenizer}
+
+
+def heldout_batch(heldout: list[dict], tokenizer, batch: int, length: int) -> mx.array:
+    """A fixed held-out batch for the loss curve: documents joined by end-of-text, cut into rows."""
+    ids = []
+    for doc in heldout:
+        ids.extend(tokenizer.encode(doc["text"]) + [tokenizer.eos_id])
+        if len(ids) >= batch * (length + 1):
+            break
+    rows = np.array(ids[: batch * (length + 1)], dtype=np.int32).reshape(batch, length + 1)
+    return mx.array(rows)
+
+
+# ---- resumable state -------------------------------------------------------------------------------------
+def save_state(out: Path, model: Model, optimizer, progress: dict) -> None:
+    """Write weights, optimizer state and progress to a new folder, then point `latest.json` at it."""
+    state_dir = out / f"state-{progress['step']:06d}"
+    tmp = out / f".tmp-{state_dir.name}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(tmp / "weights.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    (tmp / "progress.json").write_text(json.dumps(progress))
+    os.replace(tmp, state_dir)
+    latest = out / "latest.json"
+    previous = json.loads(latest.read_text())["state"] if latest.exists() else None
+    (out / "latest.tmp.json").write_text(json.dumps({"state": state_dir.name}))
+    os.replace(out / "latest.tmp.json", latest)
+    if previous and previous != state_dir.name:
+        import shutil
+
+        shutil.rmtree(out / previous, ignore_errors=True)
+
+
+def load_state(out: Path, model: Model, optimizer) -> dict | None:
+    latest = out / "latest.json"
+    if not latest.exists():
+        return None
+    state_dir = out / json.loads(latest.read_text())["state"]
+    model.update(tree_unflatten(list(mx.load(str(state_dir / "weights.safetensors")).items())))
+    optimizer.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
+    return json.loads((state_dir / "progress.json").read_text())
+
+
+# ---- the loop --------------------------------------------------------------------------------------------
+def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, quick: bool,
+          mtp_weight: float, balance_weight: float, save_every: int, eval_every: int,
+          n_train: int, n_heldout: int, vocab_size: int) -> Model:
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(out, seed, n_train, n_heldout, vocab_size)
+    tokenizer = data["tokenizer"]
+    config = tiny_config(tokenizer.vocab_size, quick=quick)
+    (out / "config.json").write_text(json.dumps(config.to_released_dict(), indent=2))
+    mx.random.seed(seed)
+    model = Model(config)
+    initialise(model, seed)
+    optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
+    progress = load_state(out, model, optimizer) or {"step": 0, "history": [], "elapsed": 0.0}
+    if progress["step"]:
+        print(f"resuming from step {progress['step']}", flush=True)
+
+    def objective(model, batch):
+        parts = losses(model, batch)
+        return parts["trunk"] + mtp_weight * parts["head"] + balance_weight * parts["balance"], parts
+
+    value_and_grad = nn.value_and_grad(model, objective)
+    batches = Batches(data["train"], batch, length, seed)
+    probe = heldout_batch(data["heldout"], tokenizer, 8, length)
+    warmup = max(1, min(100, steps // 10))
+    bar = tqdm(total=steps, initial=progress["step"], desc="training", unit="step", dynamic_ncols=True)
+    started = time.time() - progress["elapsed"]
+    while progress["step"] < steps:
+        step = progress["step"]
+        optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
+        (loss, parts), grads = value_and_grad(model, batches(step))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss, parts)
+        progress["step"] = step + 1
+        record = {"step": step + 1, "tokens": (step + 1) * batch * length, "loss": float(loss),
+                  **{k: float(v) for k, v in parts.items()}}
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            held = losses(model, probe, balance=False)
+            record["heldout_trunk"], record["heldout_head"] = float(held["trunk"]), float(held["head"])
+        progress["history"].append(record)
+        progress["elapsed"] = time.time() - started
+        bar.update(1)
+        bar.set_postfix(trunk=f"{record['trunk']:.3f}", head=f"{record['head']:.3f}", bal=f"{record['balance']:.2f}")
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            save_state(out, model, optimizer, progress)
+    bar.close()
+    (out / "loss_curve.json").write_text(json.dumps(progress["history"]))
+    model.tokenizer = tokenizer
+    return model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qmtp.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="working folder (resumable state, data cache, loss curve)")
+    parser.add_argument("--export", type=Path, help="write the trained model here in the released layout")
+    parser.add_argument("--quick", action="store_true", help="a smaller copy in about a minute (for tests)")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp-weight", type=float, default=0.5)
+    parser.add_argument("--balance-weight", type=float, default=0.01)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--documents", type=int, help="training documents to generate")
+    args = parser.parse_args(argv)
+    if args.quick:
+        steps, n_train, n_heldout, vocab = args.steps or 40, args.documents or 3000, 300, min(args.vocab_size, 512)
+    else:
+        steps, n_train, n_heldout, vocab = args.steps or 900, args.documents or 100_000, 2000, args.vocab_size
+    model = train(args.out, steps, args.batch, args.length, args.lr, args.seed, args.quick, args.mtp_weight,
+                  args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps), n_train, n_heldout, vocab)
+    if args.export:
+        from .export import export_released
+
+        export_released(model, args.export, training_dir=args.out)
+        print(f"exported to {args.export}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

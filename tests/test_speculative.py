@@ -1,0 +1,124 @@
+"""Speculative decoding is lossless: greedy returns plain greedy's tokens, sampling keeps the trunk's law."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import synthetic
+from qmtp.errors import QmtpError, UsageError
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    """A random model over 4 tokens: random drafts are accepted often enough to hit every rollback length."""
+    config = synthetic.small_config(vocab_size=4)
+    return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v4"), config, dtype="F32", seed=11))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    config = synthetic.small_config()
+    return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v97"), config, dtype="F32", seed=5))
+
+
+PROMPTS = [[0], [1, 2], [3, 0, 1, 2, 3], [2, 2, 2, 1], [1, 3, 0, 0, 2, 1, 3, 3, 0]]
+
+
+@pytest.mark.parametrize("n_draft", [2, 3, 4, 5])
+@pytest.mark.parametrize("rollback", ["record", "replay"])
+def test_greedy_speculative_equals_plain_greedy(small_vocab_model, n_draft, rollback):
+    partial_accepts = 0
+    for prompt in PROMPTS:
+        plain = qmtp.generate(small_vocab_model, prompt, max_tokens=24, n_draft=1)
+        spec = qmtp.generate(small_vocab_model, prompt, max_tokens=24, n_draft=n_draft, rollback=rollback)
+        assert spec.tokens == plain.tokens
+        partial_accepts += sum(0 < s.accepted < len(s.drafts) for s in spec.stats.steps)
+    if n_draft > 2:
+        assert partial_accepts > 0, "the test never exercised a partial accept"
+
+
+def test_greedy_lossless_on_a_wider_vocabulary(model):
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        prompt = rng.integers(0, 97, rng.integers(1, 12)).tolist()
+        plain = qmtp.generate(model, prompt, max_tokens=16)
+        for n_draft in range(2, 6):
+            assert qmtp.generate(model, prompt, max_tokens=16, n_draft=n_draft).tokens == plain.tokens
+
+
+def test_statistics_are_consistent(small_vocab_model):
+    g = qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=30, n_draft=3)
+    s = g.stats
+    assert s.generated == len(g.tokens) == 30
+    assert s.trunk_passes == len(s.steps) == len(s.tokens_per_pass) == len(s.experts_per_pass)
+    assert all(d >= a for d, a in zip(s.drafted, s.accepted))
+    assert s.drafted[0] == s.trunk_passes
+    # a draft at position i is proposed only when all before it were accepted
+    assert s.drafted[1] == s.accepted[0]
+    config = small_vocab_model.config
+    for per_layer, n in zip(s.experts_per_pass, s.tokens_per_pass):
+        assert len(per_layer) == config.num_hidden_layers
+        assert all(config.num_experts_per_tok <= e <= min(config.num_experts, n * config.num_experts_per_tok) for e in per_layer)
+
+
+def sequence_law(model, prompt, temperature):
+    """Exact trunk probability of every 2-token continuation, by enumeration."""
+    V = model.config.vocab_size
+    law = {}
+    first = mx.softmax(model(mx.array([prompt]))[0, -1] / temperature).tolist()
+    for a in range(V):
+        second = mx.softmax(model(mx.array([prompt + [a]]))[0, -1] / temperature).tolist()
+        for b in range(V):
+            law[(a, b)] = first[a] * second[b]
+    return law
+
+
+def chi_square_p_value(counts: dict, law: dict, n: int) -> float:
+    """Pearson's test of observed counts against a law; p-value by the Wilson-Hilferty approximation."""
+    from math import erfc, sqrt
+
+    observed = np.array([counts.get(k, 0) for k in law], dtype=float)
+    expected = np.array([law[k] * n for k in law])
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "an outcome of probability zero occurred"
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / sqrt(2 / (9 * dof))
+    return 0.5 * erfc(z / sqrt(2))
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_trunk_distribution(small_vocab_model):
+    prompt, temperature, n = [1, 0, 3], 1.0, 800
+    law = sequence_law(small_vocab_model, prompt, temperature)
+    counts = {}
+    for seed in range(n):
+        g = qmtp.generate(small_vocab_model, prompt, max_tokens=2, n_draft=3, temperature=temperature, seed=seed)
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+    assert chi_square_p_value(counts, law, n) > 1e-3
+    # The same test rejects a law that differs: the trunk's at another temperature.
+    assert chi_square_p_value(counts, sequence_law(small_vocab_model, prompt, 0.5), n) < 1e-3
+
+
+def test_bad_arguments_are_usage_errors(small_vocab_model):
+    with pytest.raises(UsageError, match="n_draft"):
+        qmtp.generate(small_vocab_model, [1], n_draft=0)
+    with pytest.raises(UsageError, match="n_draft"):
+        qmtp.generate(small_vocab_model, [1], n_draft=99)
+    with pytest.raises(UsageError, match="empty"):
+        qmtp.generate(small_vocab_model, [])
+    with pytest.raises(UsageError, match="context"):
+        qmtp.generate(small_vocab_model, [1] * 4090, max_tokens=10)
+    with pytest.raises(UsageError, match="temperature"):
+        qmtp.generate(small_vocab_model, [1], temperature=-1)
+
+
+def test_a_model_without_head_cannot_draft(tmp_path):
+    path = synthetic.write_checkpoint(tmp_path, synthetic.small_config(), head=False)
+    headless = qmtp.load(path)
+    assert qmtp.generate(headless, [1, 2], max_tokens=3).tokens  # plain decoding works
+    with pytest.raises(QmtpError, match="no MTP head"):
+        qmtp.generate(headless, [1, 2], max_tokens=3, n_draft=2)
