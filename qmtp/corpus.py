@@ -1038,6 +1038,26 @@ def splits(
     }
 
 
+def unseen_heldout(
+    seed: int = 0,
+    n_train: int = DEFAULT_N_TRAIN,
+    n_heldout: int = DEFAULT_N_HELDOUT,
+    registers: Sequence[str] = REGISTERS,
+) -> list[tuple[str, str]]:
+    """The held-out documents whose text never occurs in the training split.
+
+    Predictable registers repeat documents by chance (see `splits`); a held-out document that is also a
+    training document measures memory, not generalisation, so evaluation uses only the unseen ones.
+    """
+    parts = splits(seed, n_train, n_heldout, registers)
+    return drop_seen(parts["heldout"], parts["train"])
+
+
+def drop_seen(heldout: list[tuple[str, str]], train: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    seen = {text for _, text in train}
+    return [(register, text) for register, text in heldout if text not in seen]
+
+
 if __name__ == "__main__":  # pragma: no cover - a quick look at the registers
     _rng = random.Random(0)
     for _reg in REGISTERS:

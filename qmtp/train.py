@@ -146,10 +146,7 @@ def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size:
 
     print(f"generating {n_train} training and {n_heldout} held-out documents (seed {seed})", flush=True)
     docs = corpus.splits(seed=seed, n_train=n_train, n_heldout=n_heldout)
-    seen = {text for _, text in docs["train"]}
-    # Predictable registers (lists, arithmetic) repeat documents by chance; a held-out document that also
-    # occurs in training would measure memory, not generalisation, so it is dropped.
-    heldout = [(reg, text) for reg, text in docs["heldout"] if text not in seen]
+    heldout = corpus.drop_seen(docs["heldout"], docs["train"])
     sample, size = [], 0
     for _, text in docs["train"]:
         sample.append(text)
@@ -220,7 +217,8 @@ def load_state(out: Path, model: Model, optimizer) -> dict | None:
 # ---- the loop --------------------------------------------------------------------------------------------
 def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, quick: bool,
           mtp_weight: float, balance_weight: float, save_every: int, eval_every: int,
-          n_train: int, n_heldout: int, vocab_size: int) -> Model:
+          n_train: int, n_heldout: int, vocab_size: int, stop_after: int | None = None) -> tuple[Model, bool]:
+    """Train (or resume) in `out`; returns the model and whether all `steps` are done."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +244,8 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
     warmup = max(1, min(100, steps // 10))
     bar = tqdm(total=steps, initial=progress["step"], desc="training", unit="step", dynamic_ncols=True)
     started = time.time() - progress["elapsed"]
-    while progress["step"] < steps:
+    stop_at = steps if stop_after is None else min(steps, progress["step"] + stop_after)
+    while progress["step"] < stop_at:
         step = progress["step"]
         optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
         (loss, parts), grads = value_and_grad(model, batches(step))
@@ -263,12 +262,12 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
         progress["elapsed"] = time.time() - started
         bar.update(1)
         bar.set_postfix(trunk=f"{record['trunk']:.3f}", head=f"{record['head']:.3f}", bal=f"{record['balance']:.2f}")
-        if (step + 1) % save_every == 0 or step + 1 == steps:
+        if (step + 1) % save_every == 0 or step + 1 in (steps, stop_at):
             save_state(out, model, optimizer, progress)
     bar.close()
     (out / "loss_curve.json").write_text(json.dumps(progress["history"]))
     model.tokenizer = tokenizer
-    return model
+    return model, progress["step"] >= steps
 
 
 def main(argv=None) -> int:
@@ -287,14 +286,18 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--documents", type=int, help="training documents to generate")
+    parser.add_argument("--stop-after", type=int, help="stop after this many steps (resume later with the same command)")
     args = parser.parse_args(argv)
     if args.quick:
         steps, n_train, n_heldout, vocab = args.steps or 40, args.documents or 3000, 300, min(args.vocab_size, 512)
     else:
         steps, n_train, n_heldout, vocab = args.steps or 900, args.documents or 100_000, 2000, args.vocab_size
-    model = train(args.out, steps, args.batch, args.length, args.lr, args.seed, args.quick, args.mtp_weight,
-                  args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps), n_train, n_heldout, vocab)
-    if args.export:
+    model, finished = train(args.out, steps, args.batch, args.length, args.lr, args.seed, args.quick, args.mtp_weight,
+                  args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps), n_train, n_heldout, vocab,
+                  args.stop_after)
+    if not finished:
+        print(f"stopped before step {steps}: run the same command again to resume")
+    elif args.export:
         from .export import export_released
 
         export_released(model, args.export, training_dir=args.out)

@@ -1,0 +1,116 @@
+"""Measuring a model on held-out text: next-token accuracy and perplexity, the head's accuracy, acceptance.
+
+All figures the book and the bundled model card quote come from these functions.
+
+* Teacher-forced (one forward pass over real text): the trunk's next-token accuracy and perplexity; the
+  head's top-1 accuracy for the token after next; and how often the head's top-1 equals the trunk's
+  top-1 at the same position, which is what greedy drafting needs.
+* Free-running (speculative decoding from prompts cut from held-out documents): the acceptance per draft
+  position actually observed. On the model's own greedy text, "head top-1 == trunk top-1" is exactly
+  the greedy acceptance of the first draft, so the two views can be checked against each other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import corpus
+from .model import Model
+
+
+@dataclass
+class TextMetrics:
+    tokens: int
+    accuracy: float  # trunk top-1 == next token
+    perplexity: float  # exp(mean cross-entropy of the next token)
+    head_accuracy: float  # head top-1 == the token after next (nan without a head)
+    head_trunk_agreement: float  # head top-1 == trunk top-1 for the token after next (nan without a head)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def heldout_by_register(per_register: int = 40, seed: int = 0, n_train: int = corpus.DEFAULT_N_TRAIN,
+                        n_heldout: int = corpus.DEFAULT_N_HELDOUT) -> dict[str, list[str]]:
+    """Up to `per_register` unseen held-out documents of each register of the corpus."""
+    out: dict[str, list[str]] = {r: [] for r in corpus.REGISTERS}
+    for register, text in corpus.unseen_heldout(seed, n_train, n_heldout):
+        if len(out[register]) < per_register:
+            out[register].append(text)
+    return out
+
+
+def _windows(model: Model, texts: list[str], length: int) -> np.ndarray:
+    """Documents as the model was trained on them (each after an end-of-text token), cut into rows."""
+    tok = model.tokenizer
+    stream = []
+    for text in texts:
+        stream += [tok.eos_id] + tok.encode(text)
+    stream.append(tok.eos_id)
+    n = max(1, (len(stream) - 1) // length)
+    rows = [stream[i * length: i * length + length + 1] for i in range(n)]
+    rows[-1] = rows[-1] + [tok.eos_id] * (length + 1 - len(rows[-1]))  # only a short stream needs padding
+    return np.array(rows, dtype=np.int32)
+
+
+def text_metrics(model: Model, texts: list[str], length: int = 128, batch: int = 8) -> TextMetrics:
+    """Teacher-forced metrics of trunk and head over `texts`."""
+    rows = _windows(model, texts, length)
+    nll = correct = count = 0.0
+    head_correct = agree = head_count = 0.0
+    for start in range(0, len(rows), batch):
+        chunk = mx.array(rows[start: start + batch])
+        inputs, targets = chunk[:, :-1], chunk[:, 1:]
+        _, h = model.trunk(inputs)
+        logits = model.logits(h).astype(mx.float32)
+        nll += float(mx.sum(mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[..., None], -1)[..., 0]))
+        trunk_top = mx.argmax(logits, axis=-1)
+        correct += float(mx.sum(trunk_top == targets))
+        count += targets.size
+        if model.mtp is not None:
+            head_logits = model.logits(model.mtp(h[:, :-1], model.embed_tokens(inputs[:, 1:])))
+            head_top = mx.argmax(head_logits, axis=-1)
+            head_correct += float(mx.sum(head_top == targets[:, 1:]))
+            agree += float(mx.sum(head_top == trunk_top[:, 1:]))
+            head_count += head_top.size
+    nan = float("nan")
+    return TextMetrics(
+        tokens=int(count),
+        accuracy=correct / count,
+        perplexity=math.exp(nll / count),
+        head_accuracy=head_correct / head_count if head_count else nan,
+        head_trunk_agreement=agree / head_count if head_count else nan,
+    )
+
+
+def prompts_from(texts: list[str], model: Model, n_tokens: int = 8) -> list[list[int]]:
+    """The first `n_tokens` tokens of each document (after end-of-text), as generation prompts."""
+    tok = model.tokenizer
+    return [[tok.eos_id] + tok.encode(text)[:n_tokens] for text in texts]
+
+
+def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48, **options) -> dict:
+    """Greedy speculative decoding over `prompts`; acceptance per draft position, pooled over prompts."""
+    from .speculative import generate
+
+    k = n_draft - 1
+    drafted, accepted = [0] * k, [0] * k
+    emitted = passes = 0
+    for prompt in prompts:
+        stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n_draft, **options).stats
+        drafted = [a + b for a, b in zip(drafted, stats.drafted)]
+        accepted = [a + b for a, b in zip(accepted, stats.accepted)]
+        emitted += sum(len(s.emitted) for s in stats.steps)
+        passes += stats.trunk_passes
+    return {
+        "n_draft": n_draft,
+        "per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
+        "rate": sum(accepted) / sum(drafted) if sum(drafted) else float("nan"),
+        "tokens_per_trunk_pass": emitted / passes if passes else float("nan"),
+        "drafted": drafted,
+        "accepted": accepted,
+    }
