@@ -222,6 +222,10 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
+    run = {"steps": steps, "batch": batch, "length": length, "lr": lr, "seed": seed, "quick": quick,
+           "mtp_weight": mtp_weight, "balance_weight": balance_weight, "n_train": n_train, "n_heldout": n_heldout,
+           "vocab_size": vocab_size}
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     data = prepare_data(out, seed, n_train, n_heldout, vocab_size)
     tokenizer = data["tokenizer"]
     config = tiny_config(tokenizer.vocab_size, quick=quick)

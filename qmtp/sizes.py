@@ -1,0 +1,242 @@
+"""How large a converted checkpoint is, computed from the config alone.
+
+Every number here is arithmetic over `qmtp.layout.expected_shapes(config, head=True)`, the same tensor list
+the loader checks a checkpoint against, so a chapter can state the size of the real Qwen3.6-35B-A3B at any
+width without 70 GB of weights, and a test can check the arithmetic against `mx.quantize` on a small config.
+
+The conversion convention is mlx-lm's (`mlx_lm.convert` with the Qwen3.5/3.6 quantization predicate):
+
+* A weight is quantized when it is the weight of a linear or embedding layer (2-D or more: linear
+  projections, stacked experts [E, out, in], `embed_tokens`, `lm_head`, `mtp.fc`) and its last dimension is
+  divisible by the group size. Quantized along the last axis with `mx.quantize`, it is stored as
+  numel * bits / 8 bytes of uint32 codes plus one scale and one bias per group of `group_size` elements,
+  each in the checkpoint dtype (`dtype_bytes`): numel/group_size * 2 * dtype_bytes bytes.
+* The router `mlp.gate` and the `mlp.shared_expert_gate` are quantized at `router_bits` (8) with group size
+  `router_group_size` (64): mlx-lm fixes both numbers for these tensors whatever the rest of the model uses.
+* `embed_tokens` and `lm_head` are quantized like every other weight (mlx-lm quantizes nn.Embedding too),
+  at `bits` unless `embed_bits` / `lm_head_bits` say otherwise.
+* Everything else stays in the checkpoint dtype (dtype_bytes per element): 1-D tensors (norms, `dt_bias`),
+  the depthwise conv1d kernels (MLX has no quantized conv), and weights whose last dimension is not a
+  multiple of the group size. `A_log` is always float32 (4 bytes): mlx-lm's cast predicate exempts it from
+  the bf16 cast, and qmtp's model keeps it float32 too.
+* The MTP head (`mtp.*`) follows the same rules at `mtp_bits` (its router gates at `router_bits`);
+  `mtp_bits=None` keeps the whole head, router gates included, in the checkpoint dtype. The head has no
+  embedding or lm_head of its own (it shares the trunk's).
+
+Any width argument may be `UNQUANTIZED` (16) to keep those tensors in the checkpoint dtype.
+Sizes are tensor data only: safetensors headers and config files are not counted (under a megabyte).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import ModelConfig
+from .errors import UsageError
+from .layout import expected_shapes
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+
+UNQUANTIZED = 16
+"""A width meaning: not quantized, stored in the checkpoint dtype."""
+
+FLOAT32_SUFFIXES = (".A_log",)
+"""Tensors stored in float32 whatever the checkpoint dtype (as qmtp.model.FLOAT32_PARAMETERS)."""
+
+CATEGORIES = (
+    "routed experts",
+    "shared experts",
+    "attention",
+    "linear attention",
+    "router and shared-expert gates",
+    "embeddings",
+    "lm_head",
+    "mtp fc",
+    "norms and small vectors",
+)
+
+
+def category(name: str, shape: tuple[int, ...]) -> str:
+    """The breakdown row an internal tensor name belongs to."""
+    if len(shape) < 2:
+        return "norms and small vectors"  # every norm, A_log, dt_bias
+    if ".mlp.experts." in name:
+        return "routed experts"
+    if ".mlp.shared_expert." in name:
+        return "shared experts"
+    if name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight")):
+        return "router and shared-expert gates"
+    if ".self_attn." in name:
+        return "attention"
+    if ".linear_attn." in name:
+        return "linear attention"  # projections and the conv1d kernel
+    if name == "embed_tokens.weight":
+        return "embeddings"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if name == "mtp.fc.weight":
+        return "mtp fc"
+    raise ValueError(f"no size category for tensor {name!r}")  # a new tensor in layout.py: add a rule here
+
+
+def is_router(name: str) -> bool:
+    return name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
+
+
+@dataclass(frozen=True)
+class TensorSize:
+    """One tensor as stored: its width (None: unquantized) and its bytes (codes + scales + biases)."""
+
+    name: str
+    shape: tuple[int, ...]
+    category: str
+    bits: int | None
+    group_size: int | None
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_head(self) -> bool:
+        return self.name.startswith("mtp.")
+
+
+def quantized_bytes(shape: tuple[int, ...], bits: int, group_size: int, dtype_bytes: int) -> int:
+    """Bytes of `mx.quantize(w, group_size, bits)`: uint32 codes, then one scale and one bias per group."""
+    numel = math.prod(shape)
+    codes = numel * bits // 8  # exact: the last dim is a multiple of group_size >= 32, so numel*bits % 32 == 0
+    groups = numel // group_size
+    return codes + 2 * groups * dtype_bytes
+
+
+@dataclass
+class SizeReport:
+    """Bytes of a converted checkpoint, trunk and head separately, with a per-category breakdown."""
+
+    trunk_bytes: int
+    head_bytes: int
+    total_bytes: int
+    trunk: dict[str, int]  # category -> bytes (every category present, 0 where none)
+    head: dict[str, int]
+    tensors: list[TensorSize] = field(repr=False)
+    settings: dict = field(default_factory=dict)
+
+    def table(self) -> list[tuple[str, int, int, int]]:
+        """Rows (category, trunk bytes, head bytes, total bytes) for the categories present, then "total"."""
+        rows = [(c, self.trunk[c], self.head[c], self.trunk[c] + self.head[c])
+                for c in CATEGORIES if self.trunk[c] or self.head[c]]
+        rows.append(("total", self.trunk_bytes, self.head_bytes, self.total_bytes))
+        return rows
+
+    def format(self, unit: float = 1e9, unit_name: str = "GB") -> str:
+        """The table as text, in `unit` (decimal gigabytes by default; 2**30 for GiB)."""
+        s = self.settings
+        head = "bf16" if s.get("mtp_bits") in (None, UNQUANTIZED) else f"{s['mtp_bits']}-bit"
+        lines = [f"trunk {s.get('bits')}-bit, group {s.get('group_size')}, router {s.get('router_bits')}-bit, "
+                 f"head {head} ({unit_name})",
+                 f"{'category':<32}{'trunk':>10}{'head':>10}{'total':>10}"]
+        for name, t, h, a in self.table():
+            lines.append(f"{name:<32}{t / unit:>10.3f}{h / unit:>10.3f}{a / unit:>10.3f}")
+        return "\n".join(lines)
+
+
+def _width(value: int | None, default: int, what: str) -> int:
+    w = default if value is None else value
+    if w != UNQUANTIZED and w not in SUPPORTED_BITS:
+        raise UsageError(f"{what}={w} is not a width MLX quantizes to ({SUPPORTED_BITS}) nor {UNQUANTIZED} "
+                         f"(unquantized)")
+    return w
+
+
+def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: int | None = None,
+          router_bits: int = 8, lm_head_bits: int | None = None, embed_bits: int | None = None,
+          dtype_bytes: int = 2, router_group_size: int = 64) -> SizeReport:
+    """Bytes of the trunk and the MTP head after conversion at these widths (see the module docstring).
+
+    `bits` applies to every trunk weight except the router gates (`router_bits`), `embed_tokens`
+    (`embed_bits`, default `bits`) and `lm_head` (`lm_head_bits`, default `bits`). The head uses `mtp_bits`
+    for its weights and `router_bits` for its router gates; with `mtp_bits=None` nothing in it is quantized.
+    `dtype_bytes` is the checkpoint dtype of everything not quantized and of scales and biases (2 for
+    bf16/f16, 4 for f32). `router_group_size` is mlx-lm's fixed 64 for the router gates.
+    """
+    bits = _width(bits, bits, "bits")
+    head_bits = _width(mtp_bits, UNQUANTIZED, "mtp_bits")
+    router_bits = _width(router_bits, router_bits, "router_bits")
+    embed_width = _width(embed_bits, bits, "embed_bits")
+    lm_head_width = _width(lm_head_bits, bits, "lm_head_bits")
+    for gs, what in ((group_size, "group_size"), (router_group_size, "router_group_size")):
+        if gs not in SUPPORTED_GROUP_SIZES:
+            raise UsageError(
+                f"{what}={gs} is not supported; MLX quantizes with groups of {SUPPORTED_GROUP_SIZES}"
+            )
+    if dtype_bytes not in (2, 4):
+        raise UsageError(f"dtype_bytes={dtype_bytes}: the checkpoint dtype is bf16/f16 (2) or f32 (4)")
+
+    tensors = []
+    for name, shape in expected_shapes(config, head=True).items():
+        head = name.startswith("mtp.")
+        if head and head_bits == UNQUANTIZED:
+            width, gs = UNQUANTIZED, group_size  # an unquantized head keeps its router gates unquantized too
+        elif is_router(name):
+            width, gs = router_bits, router_group_size
+        elif name == "embed_tokens.weight":
+            width, gs = embed_width, group_size
+        elif name == "lm_head.weight":
+            width, gs = lm_head_width, group_size
+        else:
+            width, gs = (head_bits if head else bits), group_size
+        quantizable = len(shape) >= 2 and not name.endswith("conv1d.weight") and shape[-1] % gs == 0
+        if width != UNQUANTIZED and quantizable:
+            nbytes = quantized_bytes(shape, width, gs, dtype_bytes)
+            tensors.append(TensorSize(name, shape, category(name, shape), width, gs, nbytes))
+        else:
+            element = 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes
+            tensors.append(TensorSize(name, shape, category(name, shape), None, None, math.prod(shape) * element))
+
+    trunk = {c: 0 for c in CATEGORIES}
+    head = {c: 0 for c in CATEGORIES}
+    for t in tensors:
+        (head if t.is_head else trunk)[t.category] += t.nbytes
+    trunk_bytes, head_bytes = sum(trunk.values()), sum(head.values())
+    settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
+                    router_group_size=router_group_size, embed_bits=embed_width, lm_head_bits=lm_head_width,
+                    dtype_bytes=dtype_bytes)
+    return SizeReport(trunk_bytes, head_bytes, trunk_bytes + head_bytes, trunk, head, tensors, settings)
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameter counts of trunk and head, and how many parameters one token uses.
+
+    Keys:
+      "trunk"          every trunk tensor, embed_tokens and lm_head included
+      "head"           every `mtp.*` tensor (the head shares embed_tokens and lm_head, counted in "trunk")
+      "total"          trunk + head
+      "routed_experts" the trunk's routed-expert weights (all E experts of every layer)
+      "active"         trunk parameters one token's forward pass multiplies with: in every layer the
+                       attention or linear-attention weights, the router, the shared expert and its gate, the
+                       top-k of the E routed experts (k/E of the routed weights), norms and small vectors;
+                       plus one row of embed_tokens (a lookup reads H numbers) and all of lm_head (every
+                       logit is computed). With tied embeddings the one matrix counts fully, as lm_head.
+      "head_active"    the same for one draft step of the head, its own tensors only (the shared
+                       embedding row and lm_head are in "active" already)
+    """
+    shapes = expected_shapes(config, head=True)
+    k, E, H = config.num_experts_per_tok, config.num_experts, config.hidden_size
+    counts = dict(trunk=0, head=0, routed_experts=0, active=0, head_active=0)
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        head = name.startswith("mtp.")
+        counts["head" if head else "trunk"] += n
+        if ".mlp.experts." in name:
+            used = n // E * k
+            if not head:
+                counts["routed_experts"] += n
+        elif name == "embed_tokens.weight" and not config.tie_word_embeddings:
+            used = H
+        else:
+            used = n
+        counts["head_active" if head else "active"] += used
+    counts["total"] = counts["trunk"] + counts["head"]
+    return counts
