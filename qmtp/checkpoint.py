@@ -41,6 +41,9 @@ DTYPES = {
     "U8": (np.uint8, "uint8", 1),
     "BOOL": (np.bool_, "bool_", 1),
 }
+# What a model weight may be stored as: every tensor of the model is floating-point (quantized checkpoints,
+# with their integer tensors, are refused before their weights are looked at).
+FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True)
@@ -69,10 +72,14 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             if len(head) < 8:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
             (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
+            if header_len > MAX_HEADER_BYTES:
                 raise CheckpointError(
-                    f"{path}: header claims {header_len} bytes but the file has {size - 8} after the length "
-                    f"field (truncated or not a safetensors file)"
+                    f"{path}: header claims {header_len} bytes, more than the {MAX_HEADER_BYTES} a safetensors "
+                    f"header can have: corrupt length field"
+                )
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"{path}: header claims {header_len} bytes but only {size - 8} follow the length field: truncated"
                 )
             raw = f.read(header_len)
     except FileNotFoundError:

@@ -1,4 +1,4 @@
-"""`python -m qmtp COMMAND`: chat (and, as they land, convert, bench, doctor).
+"""`python -m qmtp COMMAND`: chat, bench (and, as they land, convert and doctor).
 
 Every failure the user can cause (a bad flag, a missing file, a model without a head) ends in one line on
 stderr and exit status 2, never a traceback.
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+import numpy as np
 
 from .errors import QmtpError, UsageError
 
@@ -40,7 +43,36 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
+    bench = commands.add_parser("bench", help="benchmarks that print tables and write JSON")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    mtp = benches.add_parser("mtp", help="plain vs MTP decoding for n_draft 1 to 5, interleaved in one run")
+    mtp.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
+    mtp.add_argument("--max-tokens", type=int, default=64)
+    mtp.add_argument("--repeats", type=int, default=3)
+    mtp.add_argument("--prompts-per-register", type=int, default=2)
+    mtp.add_argument("--n-draft-max", type=int, default=5)
+    mtp.add_argument("--json", type=Path, help="also write the results here")
     return parser
+
+
+def bench(args) -> int:
+    from . import bench as benchmarks
+    from .evaluate import heldout_by_register, prompts_from
+    from .model import load
+
+    model = load(args.model)
+    model.require_head()
+    if model.tokenizer is not None:
+        texts = heldout_by_register(args.prompts_per_register)
+        prompts = [p for docs in texts.values() for p in prompts_from(docs, model)]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(5 * args.prompts_per_register)]
+    report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats)
+    print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved repeats")
+    print(benchmarks.mtp_table(report))
+    benchmarks.write_json(report, args.json)
+    return 0
 
 
 def chat(args) -> int:
@@ -82,7 +114,7 @@ def _stdin_prompts():
             yield line
 
 
-COMMANDS = {"chat": chat}
+COMMANDS = {"chat": chat, "bench": bench}
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,13 @@ REQUIRED_FIELDS = (
     "moe_intermediate_size",
     "num_attention_heads",
     "num_key_value_heads",
+)
+
+# Integer fields that may be 0 (every other integer field counts something that must exist).
+MAY_BE_ZERO = ("mtp_num_hidden_layers",)
+
+SUPPORTED_TEXT = (
+    "qmtp reads Qwen3.5/3.6 MoE (qwen3_5_moe, qwen3_5_moe_text) and Qwen3-Next (qwen3_next) checkpoints"
 )
 
 
@@ -108,12 +117,26 @@ class ModelConfig:
         return self.mtp_num_hidden_layers > 0
 
     def validate(self) -> None:
+        """Raise one ConfigError listing every problem.
+
+        Each field's own type and range come first: the checks between fields do arithmetic on them.
+        """
+        problems = self._value_problems() or self._relation_problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _value_problems(self) -> list[str]:
         problems = []
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            problems.append(
-                f"model_type {self.model_type!r} is not a Qwen3.5/3.6 MoE or Qwen3-Next model "
-                f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-            )
+        for name, kind in typing.get_type_hints(type(self)).items():
+            problem = _value_problem(name, getattr(self, name), kind)
+            if problem:
+                problems.append(problem)
+        if isinstance(self.model_type, str) and self.model_type not in SUPPORTED_MODEL_TYPES:
+            problems.append(f"model_type {self.model_type!r} is not supported; {SUPPORTED_TEXT}")
+        return problems
+
+    def _relation_problems(self) -> list[str]:
+        problems = []
         if len(self.layer_types) != self.num_hidden_layers:
             problems.append(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
@@ -122,7 +145,7 @@ class ModelConfig:
         unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
         if unknown:
             problems.append(f"unknown layer_types {unknown}")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
+        if self.num_experts_per_tok > self.num_experts:
             problems.append(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
             )
@@ -141,15 +164,11 @@ class ModelConfig:
                 f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dims} rotary "
                 f"dims of head_dim={self.head_dim}; it must be even and positive"
             )
-        for name in ("hidden_size", "vocab_size", "num_hidden_layers", "moe_intermediate_size", "head_dim"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
         if self.mtp_num_hidden_layers not in (0, 1):
             problems.append(
                 f"mtp_num_hidden_layers={self.mtp_num_hidden_layers}: qmtp supports a head of one layer"
             )
-        if problems:
-            raise ConfigError("config is inconsistent: " + "; ".join(problems))
+        return problems
 
     # ---- reading and writing ---------------------------------------------------------------------
     @classmethod
@@ -164,11 +183,10 @@ class ModelConfig:
         model_type = text.get("model_type", outer_type)
         if outer_type == "qwen3_5_moe" and model_type in (None, "qwen3_5_moe"):
             model_type = "qwen3_5_moe_text"
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; qmtp reads Qwen3.5/3.6 MoE "
-                f"(qwen3_5_moe, qwen3_5_moe_text) and Qwen3-Next (qwen3_next) checkpoints"
-            )
+        if model_type is None:
+            raise ConfigError(f"{source}: config.json has no model_type; {SUPPORTED_TEXT}")
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported; {SUPPORTED_TEXT}")
         missing = [k for k in REQUIRED_FIELDS if k not in text]
         if missing:
             raise ConfigError(f"{source}: missing required fields {missing}")
@@ -177,19 +195,21 @@ class ModelConfig:
         values = {k: v for k, v in text.items() if k in names}
         values["model_type"] = model_type
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_parameters (or rope_scaling) is not an object")
         if "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
         if "partial_rotary_factor" in rope:
             values["partial_rotary_factor"] = rope["partial_rotary_factor"]
         if not values.get("layer_types"):
             interval = text.get("full_attention_interval", 4)
+            if not _is_count(interval):
+                raise ConfigError(f"{source}: full_attention_interval={interval!r} must be a positive integer")
             values["layer_types"] = default_layer_types(text["num_hidden_layers"], interval)
         if "mtp_num_hidden_layers" not in text and model_type == "qwen3_next":
             values["mtp_num_hidden_layers"] = text.get("num_nextn_predict_layers", 1)
         try:
             return cls(**values)
-        except TypeError as err:  # a field of the wrong JSON type
-            raise ConfigError(f"{source}: {err}") from None
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
 
@@ -200,7 +220,7 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.exists():
-            raise ConfigError(f"{path}: no config.json here")
+            raise ConfigError(f"{path}: file not found (every checkpoint directory needs a config.json)")
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -241,8 +261,41 @@ class ModelConfig:
 
 
 def default_layer_types(num_layers: int, interval: int = 4) -> list[str]:
-    """Three linear-attention layers, then one full-attention layer, repeated."""
+    """Three linear-attention layers, then one full-attention layer, repeated.
+
+    Empty when num_layers is not a positive integer: validation then reports num_hidden_layers.
+    """
+    if not _is_count(num_layers):
+        return []
     return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+
+
+def _is_count(value) -> bool:
+    """A positive integer (a JSON true is not one)."""
+    return _is_int(value) and value > 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _value_problem(name: str, value, kind) -> str | None:
+    """What is wrong with one field's value on its own (its type and range), or None."""
+    if kind is int:
+        if name in MAY_BE_ZERO:
+            return None if _is_int(value) and value >= 0 else f"{name}={value!r} must be a non-negative integer"
+        return None if _is_count(value) else f"{name}={value!r} must be a positive integer"
+    if kind is float:
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return None if number and value > 0 else f"{name}={value!r} must be a positive number"
+    if kind is bool:
+        return None if isinstance(value, bool) else f"{name}={value!r} must be true or false"
+    if kind is str:
+        return None if isinstance(value, str) else f"{name}={value!r} must be a string"
+    if kind == list[str]:
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        return None if ok else f"{name} must be a list of strings, got {type(value).__name__}"
+    raise TypeError(f"ModelConfig.{name}: no validation rule for type {kind}")
 
 
 def _interval_of(layer_types: list[str]) -> int:

@@ -38,11 +38,28 @@ ZERO_CENTRED_NAMES = (
 )
 
 
+# What the weights do without each fix, for the warning `qmtp.load` gives when one is left out.
+WITHOUT = {
+    "norm": 'norms used as stored (w, not 1 + w): output will be incoherent; apply the "norm" fix for the '
+            "model as trained",
+    "conv": 'conv kernels kept in PyTorch layout [C, 1, K], which MLX\'s conv1d will refuse: apply the "conv" '
+            "fix to run the model",
+}
+
+
 def validate(fixes) -> tuple[str, ...]:
-    fixes = tuple(fixes)
-    unknown = [f for f in fixes if f not in FIXES]
-    if unknown:
-        raise UsageError(f"unknown fix {unknown[0]!r}; the fixes are {FIXES}")
+    """The requested fixes as a tuple of names; a single name (`"norm"`) means that one fix."""
+    if isinstance(fixes, str):
+        fixes = (fixes,)
+    try:
+        fixes = tuple(fixes)
+    except TypeError:
+        raise UsageError(f"fixes={fixes!r}: give a fix name or a sequence of them, from {FIXES}") from None
+    for f in fixes:
+        if not isinstance(f, str):
+            raise UsageError(f"fixes={fixes!r}: {f!r} is not a fix name (a string); the fixes are {FIXES}")
+        if f not in FIXES:
+            raise UsageError(f"unknown fix {f!r}; the fixes are {FIXES}")
     return fixes
 
 
@@ -95,6 +112,11 @@ def already_applied(metadata: dict[str, str], conv_shape: tuple[int, ...] | None
     if conv_shape is not None and len(conv_shape) == 3 and conv_shape[-1] == 1 and conv_shape[1] != 1:
         return FIXES
     return ()
+
+
+def still_needed(carried: tuple[str, ...], has_conv: bool) -> tuple[str, ...]:
+    """The fixes weights carrying `carried` still lack (the conv fix only where there are conv kernels)."""
+    return tuple(f for f in FIXES if f not in carried and (f != "conv" or has_conv))
 
 
 def to_apply(requested, metadata: dict[str, str], conv_shape) -> tuple[str, ...]:

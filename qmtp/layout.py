@@ -24,9 +24,9 @@ import re
 import numpy as np
 from dataclasses import dataclass, field
 
-from .checkpoint import Checkpoint
+from .checkpoint import FLOAT_DTYPES, Checkpoint
 from .config import FULL, LINEAR, ModelConfig
-from .errors import CheckpointError, TensorShapeError, UsageError
+from .errors import CheckpointError, IncompleteHeadError, TensorShapeError, UsageError
 
 # The stored layouts qmtp writes (synthetic checkpoints, the bundled model):
 #   "released"  Qwen3.6 as published: `model.language_model.*`, trunk experts fused, multimodal config
@@ -117,7 +117,8 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
         expected = set(range(config.num_experts))
         if set(by_index) != expected:
             missing = sorted(expected - set(by_index))[:5]
-            raise CheckpointError(
+            error = IncompleteHeadError if mlp.startswith("mtp.") else CheckpointError
+            raise error(
                 f"{ckpt.path}: {mlp}.experts has {len(by_index)} of {config.num_experts} {proj}_proj tensors "
                 f"(missing e.g. experts {missing})"
             )
@@ -138,9 +139,7 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
         if name not in known and not name.endswith(".conv1d.weight"):
             unknown.append(recipes.pop(name).sources[0])
     head_present = any(n.startswith("mtp.") for n in recipes)
-    head_experts = all(
-        f"mtp.layers.0.mlp.experts.{p}_proj.weight" in recipes for p in ("gate", "up", "down")
-    )
+    head_experts = all(n in recipes for n in head_routed_expert_names())
     return Plan(recipes, skipped, unknown, head_present, head_present and head_experts)
 
 
@@ -222,48 +221,71 @@ def head_routed_expert_names() -> tuple[str, ...]:
     return tuple(f"mtp.layers.0.mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
-def recipe_shape(ckpt: Checkpoint, recipe: Recipe, config: ModelConfig) -> tuple[int, ...]:
-    """The shape a recipe produces, from headers alone."""
-    first = ckpt.infos[recipe.sources[0]].shape
+def stored_shapes(name: str, recipe: Recipe, want: tuple[int, ...],
+                  config: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """The shapes each stored source of `recipe` may have, for it to make `name` of shape `want`."""
     if recipe.op == "copy":
-        return first
-    if recipe.op == "slice":
-        axis, start, stop = recipe.args
-        return first[:axis] + (stop - start,) + first[axis + 1:]
-    if recipe.op == "stack":
-        return (len(recipe.sources),) + first
-    if recipe.op == "unfuse":
-        return (_unfused_rows(config, recipe.args[0]), first[1])
+        if name.endswith("conv1d.weight"):
+            # [C, 1, K] (PyTorch, as released) or [C, K, 1] (already in MLX layout): both are legitimate.
+            return (want[0], 1, want[1]), want
+        return (want,)
+    if recipe.op == "stack":  # one expert per source
+        return (want[1:],)
+    if recipe.op == "slice":  # a half of a fused experts.gate_up_proj [E, 2I, H]
+        axis = recipe.args[0]
+        return (want[:axis] + (2 * config.moe_intermediate_size,) + want[axis + 1:],)
+    if recipe.op == "unfuse":  # Qwen3-Next's in_proj_qkvz or in_proj_ba
+        return ((_fused_rows(config, recipe.args[0]), want[1]),)
     raise ValueError(recipe.op)
 
 
-def _unfused_rows(config: ModelConfig, part: str) -> int:
-    rows = {
-        "qkv": config.linear_conv_dim,
-        "z": config.linear_value_dim,
-        "b": config.linear_num_value_heads,
-        "a": config.linear_num_value_heads,
-    }
-    return rows[part]
+def _fused_rows(config: ModelConfig, part: str) -> int:
+    """Rows of the fused tensor that holds `part`: in_proj_qkvz for q, k, v and z; in_proj_ba for b and a."""
+    qkvz = 2 * config.linear_key_dim + 2 * config.linear_value_dim
+    ba = 2 * config.linear_num_value_heads
+    return {"qkv": qkvz, "z": qkvz, "b": ba, "a": ba}[part]
 
 
 def check_shapes(ckpt: Checkpoint, p: Plan, config: ModelConfig) -> None:
-    """Raise TensorShapeError naming the stored tensor whose shape disagrees with the config."""
+    """Raise TensorShapeError naming the first stored tensor whose dtype or shape disagrees with the config.
+
+    Every source of every recipe is checked (each expert of a one-by-one group too), from the headers alone.
+    """
     expected = expected_shapes(config, head=True)
     for name, recipe in p.recipes.items():
-        got = recipe_shape(ckpt, recipe, config)
-        want = expected[name]
-        if name.endswith("conv1d.weight"):
-            # Stored [C, 1, K] (PyTorch) or [C, K, 1] (already in MLX layout): both are legitimate.
-            ok = got in (want, (want[0], 1, want[1]))
-        else:
-            ok = got == want
-        if not ok:
-            info = ckpt.infos[recipe.sources[0]]
-            raise TensorShapeError(
-                f"{info.file}: tensor {info.name!r} gives {name} of shape {list(got)}, but the config "
-                f"({config.model_type}, hidden_size={config.hidden_size}) implies {list(want)}"
-            )
+        accepted = stored_shapes(name, recipe, expected[name], config)
+        for source in recipe.sources:
+            info = ckpt.infos[source]
+            if info.dtype not in FLOAT_DTYPES:
+                raise TensorShapeError(
+                    f"{info.file}: tensor {info.name!r} is stored as {info.dtype}; qmtp expects a floating-point "
+                    f"dtype ({'/'.join(FLOAT_DTYPES)})"
+                )
+            if info.shape not in accepted:
+                raise TensorShapeError(
+                    f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, but the config "
+                    f"({config.model_type}, hidden_size={config.hidden_size}) implies "
+                    f"{' or '.join(str(list(s)) for s in accepted)}"
+                )
+
+
+def check_head(p: Plan, config: ModelConfig, where) -> None:
+    """Raise IncompleteHeadError if the stored head lacks tensors.
+
+    A head with no routed experts at all passes: that is how crippled conversions ship it, and the caller
+    warns. Some routed experts without the others (7 of 8 up_proj are caught by `plan`) is an error.
+    """
+    experts = head_routed_expert_names()
+    head_names = [n for n in expected_shapes(config, head=True) if n.startswith("mtp.")]
+    absent = [n for n in head_names if n not in p.recipes and n not in experts]
+    if absent:
+        raise IncompleteHeadError(f"{where}: MTP head tensor {absent[0]} is missing ({len(absent)} in all)")
+    stored = [n for n in experts if n in p.recipes]
+    if stored and len(stored) < len(experts):
+        lacking = [n for n in experts if n not in p.recipes]
+        raise IncompleteHeadError(
+            f"{where}: MTP head routed experts are incomplete: {lacking[0]} is missing while {stored[0]} is stored"
+        )
 
 
 # ---- executing recipes -----------------------------------------------------------------------------------

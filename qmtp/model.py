@@ -142,7 +142,9 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     """Load a checkpoint directory (any released layout) into a `Model`.
 
     `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
-    stored. Fixes a qmtp-written checkpoint records as already applied are never applied again.
+    stored, or one name ("norm"). Fixes a qmtp-written checkpoint records as already applied are never applied
+    again. Weights left without a fix load with a UserWarning saying what that does (no conv fix: the first
+    forward through a DeltaNet layer fails with MLX's conv1d error, kept so a chapter can show it).
     With no path: $QMTP_MODEL if set, else the bundled tiny model.
     """
     path = resolve_path(path)
@@ -165,10 +167,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     with_head = head and config.has_mtp and plan.head_present
     head_routed = with_head and plan.head_has_routed_experts
     if with_head:
-        head_names = [n for n in layout.expected_shapes(config, head=True) if n.startswith("mtp.")]
-        absent = [n for n in head_names if n not in plan.recipes and n not in layout.head_routed_expert_names()]
-        if absent:
-            raise CheckpointError(f"{path}: MTP head tensor {absent[0]} is missing ({len(absent)} in all)")
+        layout.check_head(plan, config, path)
         if not head_routed:
             warnings.warn(
                 f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
@@ -201,6 +200,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     model.update(tree_unflatten(weights))
     model.eval()
     model.fixes_applied = tuple(f for f in fixes_mod.FIXES if f in done or f in applying)
+    for fix in fixes_mod.still_needed(model.fixes_applied, has_conv=conv_shape is not None):
+        warnings.warn(f"{path}: loaded without the {fix!r} fix: {fixes_mod.WITHOUT[fix]}", stacklevel=2)
     model.path = path
     if tokenizer and (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer

@@ -159,7 +159,7 @@ def test_unknown_model_type_flat(tmp_path):
 def test_missing_model_type(tmp_path):
     raw = flat_text()
     del raw["model_type"]
-    assert_config_error(write_json(tmp_path, raw), "model_type", "None")
+    assert_config_error(write_json(tmp_path, raw), "config.json has no model_type")
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_experts", "vocab_size"])
@@ -201,27 +201,61 @@ def test_all_problems_reported_at_once(tmp_path):
     assert message.count(str(tmp_path)) == 1
 
 
-def bug(reason):
-    return pytest.mark.xfail(strict=True, reason="qmtp bug: " + reason)
-
-
 @pytest.mark.parametrize("field,value", [
     ("hidden_size", -1),
     ("vocab_size", 0),
     ("num_hidden_layers", 0),
     ("moe_intermediate_size", 0),
     ("num_experts", 0),
-    pytest.param("num_key_value_heads", 0, marks=bug("ZeroDivisionError escapes validate() (num_attention_heads % 0)")),
-    pytest.param("linear_num_key_heads", 0, marks=bug("ZeroDivisionError escapes validate()")),
-    pytest.param("num_attention_heads", 0, marks=bug("0 attention heads is accepted")),
-    pytest.param("num_experts_per_tok", 2.5, marks=bug("a float where an integer is needed is accepted")),
-    pytest.param("hidden_size", None, marks=bug("message is Python's \"'<=' not supported between 'NoneType' "
-                                                  "and 'int'\", naming no field")),
+    ("num_key_value_heads", 0),  # once a ZeroDivisionError (num_attention_heads % 0)
+    ("linear_num_key_heads", 0),
+    ("num_attention_heads", 0),
+    ("num_experts_per_tok", 2.5),  # a float where an integer is needed
+    ("hidden_size", None),  # once Python's "'<=' not supported between 'NoneType' and 'int'"
+    ("num_hidden_layers", True),  # a JSON true is not an integer
+    ("head_dim", "256"),
 ])
-def test_nonsense_value_is_a_config_error_naming_the_field(tmp_path, field, value):
+def test_nonsense_integer_is_a_config_error_naming_the_field(tmp_path, field, value):
     raw = released()
     raw["text_config"][field] = value
-    assert_config_error(write_json(tmp_path, raw), field)
+    assert_config_error(write_json(tmp_path, raw), f"{field}={value!r} must be a positive integer")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rms_norm_eps", 0),
+    ("rms_norm_eps", None),
+    ("rope_theta", "1e7"),
+    ("partial_rotary_factor", -0.25),
+])
+def test_nonsense_float_is_a_config_error_naming_the_field(tmp_path, field, value):
+    raw = released()
+    if field in raw["text_config"]["rope_parameters"]:
+        raw["text_config"]["rope_parameters"][field] = value
+    else:
+        raw["text_config"][field] = value
+    assert_config_error(write_json(tmp_path, raw), f"{field}={value!r} must be a positive number")
+
+
+def test_integer_where_a_float_is_expected_is_fine(tmp_path):
+    raw = released()
+    raw["text_config"]["rope_parameters"]["rope_theta"] = 1_000_000
+    assert ModelConfig.from_file(write_json(tmp_path, raw)).rope_theta == 1_000_000
+
+
+def test_bad_values_are_reported_together_before_any_arithmetic(tmp_path):
+    raw = released()
+    raw["text_config"].update(num_key_value_heads=0, linear_num_key_heads=None, tie_word_embeddings="no")
+    assert_config_error(write_json(tmp_path, raw), "num_key_value_heads=0", "linear_num_key_heads=None",
+                        "tie_word_embeddings='no' must be true or false")
+
+
+def test_layer_types_rebuilt_from_a_bad_interval_or_layer_count(tmp_path):
+    raw = flat_next()
+    raw["full_attention_interval"] = 0
+    assert_config_error(write_json(tmp_path, raw), "full_attention_interval=0 must be a positive integer")
+    raw = flat_next()
+    raw["num_hidden_layers"] = "4"
+    assert_config_error(write_json(tmp_path, raw), "num_hidden_layers='4' must be a positive integer")
 
 
 def test_field_of_the_wrong_json_type(tmp_path):
@@ -243,7 +277,7 @@ def test_text_config_that_is_not_an_object(tmp_path):
 
 
 def test_missing_config_json(tmp_path):
-    assert_config_error(tmp_path / "config.json", "no config.json")
+    assert_config_error(tmp_path / "config.json", "file not found (every checkpoint directory needs a config.json)")
     with pytest.raises(ConfigError, match="config.json"):
         ModelConfig.from_file(tmp_path)  # the directory form names the file it looked for
 
@@ -251,6 +285,8 @@ def test_missing_config_json(tmp_path):
 def test_direct_construction_validates():
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         SMALL.replace(num_experts_per_tok=0)
+    with pytest.raises(ConfigError, match="num_hidden_layers=None must be a positive integer"):
+        SMALL.replace(num_hidden_layers=None, layer_types=[])
     with pytest.raises(ConfigError, match="mtp_num_hidden_layers"):
         SMALL.replace(mtp_num_hidden_layers=2)
 
