@@ -114,3 +114,28 @@ def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tok
         "drafted": drafted,
         "accepted": accepted,
     }
+
+
+def predicted_acceptance(model: Model, prompt: list[int], generated: list[int]) -> dict:
+    """The greedy acceptance at n_draft=2 that teacher forcing predicts for a given greedy generation.
+
+    Teacher-forced over prompt + generated, the head's top-1 at position t (from h_t and x_{t+1}) is exactly
+    the draft that speculative decoding proposes when a step starts at t, because the head's cache then
+    holds the trunk's true states for every earlier position. A step that accepts moves on by two tokens,
+    one that rejects by one; walking the agreement vector that way predicts every accept and reject.
+    """
+    tokens = mx.array([list(prompt) + list(generated)])
+    _, h = model.trunk(tokens)
+    trunk_top = np.array(mx.argmax(model.logits(h), axis=-1))[0]
+    head_top = np.array(mx.argmax(model.logits(model.require_head()(h[:, :-1], model.embed_tokens(tokens[:, 1:]))), axis=-1))[0]
+    agree = head_top == trunk_top[1:]  # agree[t]: the head's guess for x_{t+2} is the trunk's
+    t, proposed, accepted = len(prompt) - 1, 0, 0
+    # The last step that can draft starts where its pending token and its draft still lie inside the text.
+    while t + 2 < len(prompt) + len(generated):
+        proposed += 1
+        if agree[t]:
+            accepted += 1
+            t += 2
+        else:
+            t += 1
+    return {"proposed": proposed, "accepted": accepted, "rate": accepted / proposed if proposed else float("nan")}

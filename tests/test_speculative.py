@@ -122,3 +122,13 @@ def test_a_model_without_head_cannot_draft(tmp_path):
     assert qmtp.generate(headless, [1, 2], max_tokens=3).tokens  # plain decoding works
     with pytest.raises(QmtpError, match="no MTP head"):
         qmtp.generate(headless, [1, 2], max_tokens=3, n_draft=2)
+
+
+def test_acceptance_is_what_teacher_forcing_predicts(small_vocab_model):
+    from qmtp.evaluate import predicted_acceptance
+
+    for prompt in PROMPTS:
+        plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False)
+        spec = qmtp.generate(small_vocab_model, prompt, max_tokens=30, n_draft=2, stop_at_eos=False)
+        predicted = predicted_acceptance(small_vocab_model, prompt, plain.tokens)
+        assert (predicted["proposed"], predicted["accepted"]) == (spec.stats.drafted[0], spec.stats.accepted[0])

@@ -1,0 +1,83 @@
+"""What a checkpoint holds, read from its headers alone (chapter 1)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .layout import plan
+from .model import BUNDLED_MODEL, resolve_path
+from .sizes import CATEGORIES, category
+
+
+def model_path(path=None) -> Path:
+    """The model the chapters use: `path`, else $QMTP_MODEL, else the bundled tiny model."""
+    return resolve_path(path)
+
+
+def describe(path) -> str:
+    """One line: which model, how many parameters, how many bytes on disk."""
+    path = Path(path)
+    config = ModelConfig.from_file(path)
+    ckpt = Checkpoint(path)
+    params = sum(i.numel for i in ckpt.infos.values())
+    which = "the bundled tiny model" if path.resolve() == BUNDLED_MODEL.resolve() else f"the checkpoint in {path}"
+    source = " ($QMTP_MODEL)" if os.environ.get("QMTP_MODEL") and which != "the bundled tiny model" else ""
+    return (f"Using {which}{source}: {config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+            f"{config.num_experts} experts (top-{config.num_experts_per_tok}), vocabulary {config.vocab_size}; "
+            f"{params / 1e6:,.1f} M parameters in {ckpt.nbytes / 1e6:,.1f} MB.")
+
+
+def by_category(path) -> list[dict]:
+    """Tensors, parameters and stored bytes per category, trunk and head apart (headers only)."""
+    path = Path(path)
+    config = ModelConfig.from_file(path)
+    ckpt = Checkpoint(path)
+    rows = {(part, c): {"part": part, "category": c, "tensors": 0, "parameters": 0, "bytes": 0}
+            for part in ("trunk", "head") for c in CATEGORIES}
+    counted: set[str] = set()
+    for name, recipe in plan(ckpt, config).recipes.items():
+        infos = [ckpt.infos[s] for s in recipe.sources]
+        shape = infos[0].shape if recipe.op != "stack" else (len(infos),) + infos[0].shape
+        row = rows[("head" if name.startswith("mtp.") else "trunk", category(name, shape))]
+        new = [i for i in infos if i.name not in counted]  # a fused gate_up tensor feeds two recipes
+        counted.update(i.name for i in new)
+        row["tensors"] += len(new)
+        row["parameters"] += sum(i.numel for i in new)
+        row["bytes"] += sum(i.nbytes for i in new)
+    return [r for r in rows.values() if r["parameters"]]
+
+
+def markdown_table(rows: list[dict], columns: list[str], formats: dict | None = None) -> str:
+    """Rows of dicts as a Markdown table (for IPython.display.Markdown in the chapters)."""
+    formats = formats or {}
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [formats.get(c, "{}").format(row[c]) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n}"
+
+
+def human_count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f} K"
+    return str(int(n))
+
+
+def tensor_count_note(rows: list[dict]) -> str:
+    total = sum(r["tensors"] for r in rows)
+    return f"{total} stored tensors, {human_count(sum(r['parameters'] for r in rows))} parameters"

@@ -1,0 +1,83 @@
+"""Realistic ways to get the two fixes wrong, as transforms a chapter can apply and measure.
+
+Each mistake takes a model loaded with both fixes and changes the affected weights the way a careless
+converter would have written them. Whether a mistake fails loudly (MLX refuses a shape) or silently
+(the model runs and writes nonsense) is not argued here: chapter 2 runs each one and looks.
+"""
+
+from __future__ import annotations
+
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import fixes
+from .model import Model, load
+
+
+def _stored_conv(w):
+    """The kernel as the checkpoint stores it ([C, 1, K]), from the model's [C, K, 1]."""
+    return w.moveaxis(1, 2)
+
+
+CONV_MISTAKES = {
+    "correct: move axis 2 to 1": lambda stored: stored.moveaxis(2, 1),
+    "reshape [C, 1, K] to [C, K, 1]": lambda stored: stored.reshape(stored.shape[0], stored.shape[2], 1),
+    "left as stored, [C, 1, K]": lambda stored: stored,
+    "transpose to [K, 1, C]": lambda stored: stored.transpose(2, 1, 0),
+    "kernel reversed in time": lambda stored: stored.moveaxis(2, 1)[:, ::-1, :],
+    "[C, K] read back as [K, C]": lambda stored: stored[:, 0, :].T.reshape(stored.shape[0], stored.shape[2], 1),
+}
+
+NORM_SHIFTS = {
+    "not shifted (w)": -1.0,
+    "shifted once (1 + w), correct": 0.0,
+    "shifted twice (2 + w), a re-conversion": 1.0,
+}
+
+
+def _replace(model: Model, change) -> Model:
+    """Apply `change(name, weight) -> weight or None` to every parameter; returns the same model."""
+    updates = []
+    for name, w in tree_flatten(model.parameters()):
+        new = change(name, w)
+        if new is not None:
+            updates.append((name, new))
+    model.update(tree_unflatten(updates))
+    return model
+
+
+def with_conv_mistake(path, mistake: str) -> Model:
+    """The model at `path` with its conv kernels converted the way `mistake` names."""
+    transform = CONV_MISTAKES[mistake]
+    model = load(path)
+    return _replace(model, lambda n, w: transform(_stored_conv(w)) if fixes.is_conv_kernel(n) else None)
+
+
+def with_norm_shift(path, shift: str) -> Model:
+    """The model at `path` with the zero-centred norms at w, 1 + w or 2 + w."""
+    delta = NORM_SHIFTS[shift]
+    model = load(path)
+    return _replace(model, lambda n, w: w + delta if fixes.is_zero_centred_norm(n) else None)
+
+
+def norm_weights(path) -> dict[str, list[float]]:
+    """Stored and effective values of every zero-centred norm weight (for the histograms)."""
+    import numpy as np
+
+    model = load(path)
+    effective = [np.array(w).ravel() for n, w in tree_flatten(model.parameters()) if fixes.is_zero_centred_norm(n)]
+    effective = np.concatenate(effective)
+    return {"stored": (effective - 1.0).tolist(), "effective": effective.tolist()}
+
+
+def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30) -> dict:
+    """Run one variant: held-out accuracy and perplexity and a greedy continuation, or MLX's refusal."""
+    from .evaluate import text_metrics
+    from .speculative import generate
+
+    try:
+        model = make_model()
+        metrics = text_metrics(model, texts)
+        continuation = generate(model, prompt, max_tokens=max_tokens).text
+    except ValueError as err:  # MLX refuses a kernel of the wrong shape
+        return {"runs": False, "error": str(err).splitlines()[0]}
+    return {"runs": True, "accuracy": metrics.accuracy, "perplexity": metrics.perplexity, "continuation": continuation}
