@@ -25,6 +25,7 @@ class MTPHead(nn.Module):
         from .model import DecoderLayer  # the head's layer is a trunk layer; imported late to avoid a cycle
 
         H, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
         self.pre_fc_norm_embedding = RMSNorm(H, eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
@@ -39,3 +40,32 @@ class MTPHead(nn.Module):
         """hidden h_t and embed(x_{t+1}), both [B, T, H] -> the head's post-norm state [B, T, H]."""
         z = self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embedding), self.pre_fc_norm_hidden(hidden)], axis=-1))
         return self.norm(self.layers[0](z, cache))
+
+
+# ---- ablations (the book measures what each costs in acceptance) ------------------------------------------
+def _copy_into(head: MTPHead, new: MTPHead, transform=None) -> MTPHead:
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    wanted = {name for name, _ in tree_flatten(new.parameters())}
+    weights = [(n, transform(n, w) if transform else w) for n, w in tree_flatten(head.parameters()) if n in wanted]
+    new.update(tree_unflatten(weights))
+    new.eval()
+    return new
+
+
+def without_routed_experts(head: MTPHead) -> MTPHead:
+    """The head as crippled conversions ship it: router and routed experts dropped, shared expert kept."""
+    return _copy_into(head, MTPHead(head.config, routed_experts=False))
+
+
+def with_weight_bits(head: MTPHead, bits: int, group_size: int = 64, router_bits: int = 8) -> MTPHead:
+    """The head with every matrix rounded to `bits` (router gates to `router_bits`) by MLX's affine
+    quantization: mx.quantize then mx.dequantize, the values a quantized kernel multiplies by."""
+
+    def rounded(name: str, w: mx.array) -> mx.array:
+        if w.ndim < 2 or w.shape[-1] % group_size:
+            return w
+        width = router_bits if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else bits
+        return mx.dequantize(*mx.quantize(w, group_size=group_size, bits=width), group_size=group_size, bits=width).astype(w.dtype)
+
+    return _copy_into(head, MTPHead(head.config, routed_experts=head.has_routed_experts), rounded)

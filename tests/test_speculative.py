@@ -132,3 +132,28 @@ def test_acceptance_is_what_teacher_forcing_predicts(small_vocab_model):
         spec = qmtp.generate(small_vocab_model, prompt, max_tokens=30, n_draft=2, stop_at_eos=False)
         predicted = predicted_acceptance(small_vocab_model, prompt, plain.tokens)
         assert (predicted["proposed"], predicted["accepted"]) == (spec.stats.drafted[0], spec.stats.accepted[0])
+
+
+def test_ablated_drafters_stay_lossless(small_vocab_model):
+    from qmtp import mtp
+
+    heads = {
+        "no routed experts": mtp.without_routed_experts(small_vocab_model.mtp),
+        "4-bit": mtp.with_weight_bits(small_vocab_model.mtp, 4, group_size=32),
+    }
+    assert heads["no routed experts"].layers[0].mlp.experts is None
+    plain = qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20)
+    for head in heads.values():
+        assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3, head=head).tokens == plain.tokens
+    assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3, hidden="pre").tokens == plain.tokens
+
+
+def test_quantized_head_differs_from_bf16_head(small_vocab_model):
+    from qmtp import mtp
+
+    x = mx.random.normal((1, 3, small_vocab_model.config.hidden_size))
+    e = mx.random.normal((1, 3, small_vocab_model.config.hidden_size))
+    full = np.array(small_vocab_model.mtp(x, e))
+    three = np.array(mtp.with_weight_bits(small_vocab_model.mtp, 3, group_size=32)(x, e))
+    eight = np.array(mtp.with_weight_bits(small_vocab_model.mtp, 8, group_size=32)(x, e))
+    assert np.abs(eight - full).max() < np.abs(three - full).max()
