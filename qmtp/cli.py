@@ -1,4 +1,4 @@
-"""`python -m qmtp COMMAND`: chat, bench (and, as they land, convert and doctor).
+"""`python -m qmtp COMMAND`: chat, convert, doctor, bench.
 
 Every failure the user can cause (a bad flag, a missing file, a model without a head) ends in one line on
 stderr and exit status 2, never a traceback.
@@ -43,6 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
+    convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
+    convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
+    convert.add_argument("dst", help="directory to write (refused if it exists, unless --force)")
+    convert.add_argument("--bits", type=int, default=8, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 8)")
+    convert.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="quantization group (default 64)")
+    convert.add_argument("--mtp-bits", type=_width, default="bf16", metavar="bf16|N",
+                         help="MTP head width (default bf16: unquantized)")
+    convert.add_argument("--router-bits", type=_width, default=8, metavar="N|bf16",
+                         help="router and shared-expert gate width, groups of 64 (default 8)")
+    convert.add_argument("--lm-head-bits", type=_width, default=None, metavar="N|bf16",
+                         help="lm_head width (default --bits)")
+    convert.add_argument("--shards", type=int, default=None, metavar="N", help="write N files and an index")
+    convert.add_argument("--force", action="store_true", help="replace DST if it exists")
+    convert.add_argument("--allow-incomplete-head", action="store_true",
+                         help="convert a head that lacks its routed experts (it drafts far worse)")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    doctor = commands.add_parser("doctor", help="check the MLX backend and, given a model, the checkpoint")
+    doctor.add_argument("model", nargs="?", help="checkpoint directory to check (default: the backend only)")
+    doctor.add_argument("--scan", action="store_true", help="also read every tensor and look for NaN/Inf")
     bench = commands.add_parser("bench", help="benchmarks that print tables and write JSON")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     mtp = benches.add_parser("mtp", help="plain vs MTP decoding for n_draft 1 to 5, interleaved in one run")
@@ -53,6 +72,142 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--n-draft-max", type=int, default=5)
     mtp.add_argument("--json", type=Path, help="also write the results here")
     return parser
+
+
+def _width(text: str):
+    """--mtp-bits and friends: "bf16" (unquantized) or a width MLX quantizes to."""
+    if text.lower() in ("bf16", "none", "16"):
+        return "bf16"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bf16 or a number of bits, got {text!r}") from None
+    if value not in (2, 3, 4, 5, 6, 8):
+        raise argparse.ArgumentTypeError(f"{value} bits: choose from 2, 3, 4, 5, 6, 8 (or bf16)")
+    return value
+
+
+def convert(args) -> int:
+    import warnings
+
+    from .convert import convert as run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _warn_line
+        result = run(args.src, args.dst, bits=args.bits, group_size=args.group_size, mtp_bits=args.mtp_bits,
+                     router_bits=args.router_bits, lm_head_bits=args.lm_head_bits, shards=args.shards,
+                     force=args.force, allow_incomplete_head=args.allow_incomplete_head, progress=not args.quiet)
+    head = "bf16" if args.mtp_bits == "bf16" else f"{args.mtp_bits}-bit"
+    print(f"wrote {result} [trunk {args.bits}-bit, group {args.group_size}, head {head}, fixes {', '.join(result.fixes)}]")
+    return 0
+
+
+def _warn_line(message, category, filename, lineno, file=None, line=None):
+    print(f"qmtp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def doctor(args) -> int:
+    import mlx.core as mx
+
+    from . import __version__
+    from .quant import check_backend, report
+
+    print(f"qmtp {__version__}, mlx {mx.__version__}, default device {mx.default_device()}")
+    checks = check_backend()
+    print(report(checks))
+    problems = []
+    bad = [c.bits for c in checks if not c.ok]
+    if bad:
+        problems.append(f"the installed MLX computes quantized matmul wrongly at {', '.join(map(str, bad))} bits")
+    if args.model is not None:
+        problems += _doctor_model(Path(args.model), args.scan)
+    if problems:
+        raise QmtpError("; ".join(problems))
+    return 0
+
+
+def _doctor_model(path: Path, scan: bool) -> list[str]:
+    """Print what the checkpoint at `path` holds; return its problems (empty: complete and finite)."""
+    from . import fixes as fixes_mod
+    from . import layout
+    from .checkpoint import Checkpoint
+    from .config import ModelConfig
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such model directory")
+    config = ModelConfig.from_file(path)
+    ckpt = Checkpoint(path)
+    print(f"\n{ckpt!r}")
+    plan = layout.plan(ckpt, config)
+    widths = layout.quantization(ckpt, plan, config)
+    layout.check_shapes(ckpt, plan, config, widths)
+    problems = []
+
+    expected = layout.expected_shapes(config, head=False)
+    missing = layout.missing_trunk(plan, config)
+    print(f"trunk: {len(expected) - len(missing)} of {len(expected)} tensors"
+          + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete"))
+    if missing:
+        problems.append(f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)")
+    if not config.has_mtp:
+        print("MTP head: none declared in config.json")
+    elif not plan.head_present:
+        print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
+        problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
+    else:
+        try:
+            layout.check_head(plan, config, path)
+        except QmtpError as err:
+            print(f"MTP head: INCOMPLETE ({err})")
+            problems.append(str(err))
+        else:
+            if plan.head_has_routed_experts:
+                print("MTP head: complete, with its routed experts")
+            else:
+                print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
+                problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
+    if plan.unknown or plan.skipped:
+        print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
+
+    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items() if fixes_mod.is_conv_kernel(n)), None)
+    recorded = fixes_mod.recorded(ckpt.metadata)
+    carried = fixes_mod.already_applied(ckpt.metadata, conv_shape)
+    source = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
+    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({source}); qmtp.load applies: "
+          f"{', '.join(fixes_mod.still_needed(carried, conv_shape is not None)) or 'nothing'}")
+    if widths:
+        counts: dict = {}
+        for bits, group in widths.values():
+            counts[(bits, group)] = counts.get((bits, group), 0) + 1
+        text = ", ".join(f"{n} at {b}-bit/{g}" for (b, g), n in sorted(counts.items()))
+        print(f"quantized weights: {text}")
+    else:
+        print("quantized weights: none")
+    if "qmtp.source_digest" in ckpt.metadata:
+        print(f"converted by qmtp {ckpt.metadata.get('qmtp.version', '?')} from source "
+              f"{ckpt.metadata['qmtp.source_digest'][:16]}...")
+
+    if scan:
+        bad = _scan(ckpt)
+        print(f"scan: {len(ckpt)} tensors read, " + (f"{len(bad)} with NaN/Inf: {', '.join(bad[:5])}" if bad else "all finite"))
+        if bad:
+            problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
+    return problems
+
+
+def _scan(ckpt) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an Inf, reading one tensor at a time."""
+    import mlx.core as mx
+
+    from tqdm import tqdm
+
+    bad = []
+    for name in tqdm(ckpt.names(), desc="scan", unit="tensor", leave=False, disable=None):  # bar on a terminal only
+        w = ckpt.load(name)
+        if mx.issubdtype(w.dtype, mx.floating) and not mx.all(mx.isfinite(w)).item():
+            bad.append(name)
+    return bad
 
 
 def bench(args) -> int:
@@ -114,7 +269,7 @@ def _stdin_prompts():
             yield line
 
 
-COMMANDS = {"chat": chat, "bench": bench}
+COMMANDS = {"chat": chat, "convert": convert, "doctor": doctor, "bench": bench}
 
 
 def main(argv=None) -> int:

@@ -8,17 +8,22 @@ Checkpoints of this family come in several layouts:
   one by one `experts.{e}.{gate,up,down}_proj.weight` (Qwen3-Next, the release's head), or already stacked
   `switch_mlp.{gate,up,down}_proj.weight` (mlx-lm);
 * linear-attention projections: split (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) or fused per
-  key head (`in_proj_qkvz`, `in_proj_ba`, Qwen3-Next).
+  key head (`in_proj_qkvz`, `in_proj_ba`, Qwen3-Next);
+* quantized weights (mlx-lm and qmtp conversions): `X.weight` holds uint32 codes with `X.scales` and
+  `X.biases` beside it. Each of the three is mapped like the weight itself (`X.scales` of a stacked expert
+  projection becomes `...experts.gate_proj.scales`); `quantization()` reads the width of each from its shapes.
 
 `plan()` reads only names and shapes and returns, for each internal tensor, a `Recipe` saying which stored
 tensors make it and how. `Reader.materialise()` executes one recipe, so a loader or converter holds at most
 one tensor group (a layer's stacked experts) in memory. The internal names are the attribute paths of
 `qmtp.model.Model`: trunk tensors without prefix (`layers.3.self_attn.q_proj.weight`), head tensors under
-`mtp.`, experts stacked as `mlp.experts.{gate,up,down}_proj.weight`.
+`mtp.`, experts stacked as `mlp.experts.{gate,up,down}_proj.weight`. `mlx_name()` goes the other way, to
+the names mlx-lm (and `qmtp.convert`) write.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from .checkpoint import FLOAT_DTYPES, Checkpoint
 from .config import FULL, LINEAR, ModelConfig
 from .errors import CheckpointError, IncompleteHeadError, TensorShapeError, UsageError
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
 # The stored layouts qmtp writes (synthetic checkpoints, the bundled model):
 #   "released"  Qwen3.6 as published: `model.language_model.*`, trunk experts fused, multimodal config
@@ -36,6 +42,11 @@ LAYOUTS = ("released", "text", "next")
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 TRUNK_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+# The two tensors that sit beside the uint32 codes (stored as `.weight`) of a quantized weight.
+QUANTIZED_PARTS = (".scales", ".biases")
+# Safetensors metadata key of the per-tensor quantization record qmtp writes (JSON: stored name of each
+# weight -> {"bits": b or null, "group_size": g or null, "dtype": ...}).
+QUANTIZATION_KEY = "qmtp.quantization"
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,8 @@ def internal_name(stored: str) -> str | None:
         return None
     if stored.startswith("mtp."):
         return stored
-    if stored in ("lm_head.weight", "language_model.lm_head.weight"):
-        return "lm_head.weight"
+    if stored.startswith(("lm_head.", "language_model.lm_head.")):
+        return stored[stored.index("lm_head."):]  # .weight, or .scales / .biases when quantized
     for prefix in TRUNK_PREFIXES:
         if stored.startswith(prefix):
             return stored[len(prefix):]
@@ -95,8 +106,18 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
         if name is None:
             skipped.append(stored)
             continue
+        # A quantized weight's scales and biases follow the weight's own rule: map `X.weight`, then put
+        # the part back on whatever internal name that gives.
+        part = ".weight"
+        if name.endswith(QUANTIZED_PARTS):
+            stem, _, suffix = name.rpartition(".")
+            name, part = f"{stem}.weight", f".{suffix}"
+
+        def key(n: str) -> str:
+            return n if part == ".weight" else n[: -len(".weight")] + part
+
         if m := _EXPERT_ONE.match(name):
-            per_expert.setdefault((m["mlp"], m["proj"]), {})[int(m["e"])] = stored
+            per_expert.setdefault((m["mlp"], m["proj"], part), {})[int(m["e"])] = stored
         elif m := _EXPERT_FUSED.match(name):
             base = f"{m['mlp']}.experts"
             if m["proj"] == "down":
@@ -105,15 +126,15 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
                 recipes[f"{base}.gate_proj.weight"] = Recipe("slice", (stored,), (1, 0, inter))
                 recipes[f"{base}.up_proj.weight"] = Recipe("slice", (stored,), (1, inter, 2 * inter))
         elif m := _EXPERT_STACKED.match(name):
-            recipes[f"{m['mlp']}.experts.{m['proj']}_proj.weight"] = Recipe("copy", (stored,))
+            recipes[key(f"{m['mlp']}.experts.{m['proj']}_proj.weight")] = Recipe("copy", (stored,))
         elif m := _FUSED_LINEAR.match(name):
             parts = ("q", "k", "v", "z") if m["which"] == "qkvz" else ("b", "a")
-            for part in parts:
-                recipes[f"{m['attn']}.{_UNFUSED_NAME[part]}"] = Recipe("unfuse", (stored,), (part,))
+            for p in parts:
+                recipes[key(f"{m['attn']}.{_UNFUSED_NAME[p]}")] = Recipe("unfuse", (stored,), (p,))
         else:
-            recipes[name] = Recipe("copy", (stored,))
+            recipes[key(name)] = Recipe("copy", (stored,))
 
-    for (mlp, proj), by_index in per_expert.items():
+    for (mlp, proj, part), by_index in per_expert.items():
         expected = set(range(config.num_experts))
         if set(by_index) != expected:
             missing = sorted(expected - set(by_index))[:5]
@@ -122,25 +143,32 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
                 f"{ckpt.path}: {mlp}.experts has {len(by_index)} of {config.num_experts} {proj}_proj tensors "
                 f"(missing e.g. experts {missing})"
             )
-        recipes[f"{mlp}.experts.{proj}_proj.weight"] = Recipe(
+        recipes[f"{mlp}.experts.{proj}_proj{part}"] = Recipe(
             "stack", tuple(by_index[e] for e in range(config.num_experts))
         )
 
     # Qwen3-Next's q, k, v parts become one in_proj_qkv, as in the split layout.
-    for name in [n for n in recipes if n.endswith(".in_proj_q.weight")]:
-        attn = name[: -len(".in_proj_q.weight")]
+    for name in [n for n in recipes if ".linear_attn.in_proj_q." in n]:
+        attn, part = name.split(".in_proj_q")
         src = recipes.pop(name).sources
-        recipes.pop(f"{attn}.in_proj_k.weight")
-        recipes.pop(f"{attn}.in_proj_v.weight")
-        recipes[f"{attn}.in_proj_qkv.weight"] = Recipe("unfuse", src, ("qkv",))
+        recipes.pop(f"{attn}.in_proj_k{part}")
+        recipes.pop(f"{attn}.in_proj_v{part}")
+        recipes[f"{attn}.in_proj_qkv{part}"] = Recipe("unfuse", src, ("qkv",))
 
     known = expected_shapes(config, head=True)
     for name in list(recipes):
-        if name not in known and not name.endswith(".conv1d.weight"):
+        if weight_name(name) not in known:
             unknown.append(recipes.pop(name).sources[0])
     head_present = any(n.startswith("mtp.") for n in recipes)
     head_experts = all(n in recipes for n in head_routed_expert_names())
     return Plan(recipes, skipped, unknown, head_present, head_present and head_experts)
+
+
+def weight_name(name: str) -> str:
+    """The weight a tensor belongs to: `X.scales` and `X.biases` -> `X.weight`; any other name unchanged."""
+    if name.endswith(QUANTIZED_PARTS):
+        return name.rpartition(".")[0] + ".weight"
+    return name
 
 
 _UNFUSED_NAME = {
@@ -217,6 +245,11 @@ def expected_shapes(config: ModelConfig, head: bool = True) -> dict[str, tuple[i
     return shapes
 
 
+def missing_trunk(p: Plan, config: ModelConfig) -> list[str]:
+    """Internal names of the trunk tensors the checkpoint lacks (empty for a complete trunk)."""
+    return [n for n in expected_shapes(config, head=False) if n not in p.recipes]
+
+
 def head_routed_expert_names() -> tuple[str, ...]:
     return tuple(f"mtp.layers.0.mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down"))
 
@@ -246,27 +279,113 @@ def _fused_rows(config: ModelConfig, part: str) -> int:
     return {"qkv": qkvz, "z": qkvz, "b": ba, "a": ba}[part]
 
 
-def check_shapes(ckpt: Checkpoint, p: Plan, config: ModelConfig) -> None:
+def quantized_shapes(shape: tuple[int, ...], bits: int, group_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of `mx.quantize(w, group_size, bits)` for w of `shape`: (uint32 codes, scales and biases)."""
+    *rows, k = shape
+    return (*rows, k * bits // 32), (*rows, k // group_size)
+
+
+def check_shapes(ckpt: Checkpoint, p: Plan, config: ModelConfig,
+                 widths: dict[str, tuple[int, int]] | None = None) -> None:
     """Raise TensorShapeError naming the first stored tensor whose dtype or shape disagrees with the config.
 
     Every source of every recipe is checked (each expert of a one-by-one group too), from the headers alone.
+    `widths` (from `quantization`) gives the (bits, group_size) of the quantized weights: their codes must be
+    uint32 of the packed shape, their scales and biases floating-point with one value per group.
     """
+    widths = widths or {}
     expected = expected_shapes(config, head=True)
     for name, recipe in p.recipes.items():
-        accepted = stored_shapes(name, recipe, expected[name], config)
+        base = weight_name(name)
+        want, dtypes = expected[base], FLOAT_DTYPES
+        if base in widths:
+            codes, groups = quantized_shapes(want, *widths[base])
+            if name == base:
+                want, dtypes = codes, ("U32",)
+            else:
+                want = groups
+        accepted = stored_shapes(base, recipe, want, config)
         for source in recipe.sources:
             info = ckpt.infos[source]
-            if info.dtype not in FLOAT_DTYPES:
+            if info.dtype not in dtypes:
                 raise TensorShapeError(
-                    f"{info.file}: tensor {info.name!r} is stored as {info.dtype}; qmtp expects a floating-point "
-                    f"dtype ({'/'.join(FLOAT_DTYPES)})"
+                    f"{info.file}: tensor {info.name!r} is stored as {info.dtype}; qmtp expects "
+                    + ("uint32 codes (U32) of a quantized weight" if dtypes == ("U32",) else
+                       f"a floating-point dtype ({'/'.join(FLOAT_DTYPES)})")
                 )
             if info.shape not in accepted:
                 raise TensorShapeError(
                     f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, but the config "
                     f"({config.model_type}, hidden_size={config.hidden_size}) implies "
                     f"{' or '.join(str(list(s)) for s in accepted)}"
+                    + (f" ({widths[base][0]}-bit, group size {widths[base][1]})" if base in widths else "")
                 )
+
+
+def quantization(ckpt: Checkpoint, p: Plan, config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Internal weight name -> (bits, group_size) for every quantized weight of the checkpoint.
+
+    Read from the shapes, as mlx-lm does: a weight of last dimension K stored as uint32 codes of last dimension
+    W with scales of last dimension G is W*32/K bits with groups of K/G. A file qmtp wrote also records the
+    width of every tensor (`qmtp.quantization` in its metadata): the shapes must agree with that record.
+    Raises TensorShapeError for scales without biases or codes, and for shapes no width explains.
+    """
+    expected = expected_shapes(config, head=True)
+    widths = {}
+    for name, recipe in p.recipes.items():
+        if not name.endswith(".scales"):
+            continue
+        scales = ckpt.infos[recipe.sources[0]]
+        base = weight_name(name)
+        for needed in (base, base[: -len(".weight")] + ".biases"):
+            if needed not in p.recipes:
+                raise TensorShapeError(
+                    f"{scales.file}: tensor {scales.name!r} marks {base[: -len('.weight')]} as quantized, but "
+                    f"its {needed.rsplit('.', 1)[1]} tensor is missing"
+                )
+        codes = ckpt.infos[p.recipes[base].sources[0]]
+        if codes.dtype != "U32":
+            raise TensorShapeError(
+                f"{codes.file}: tensor {codes.name!r} has scales beside it, so it should hold quantized uint32 "
+                f"codes, but it is stored as {codes.dtype}"
+            )
+        k = expected[base][-1]  # values per row
+        packed = codes.shape[-1] if codes.shape else 0  # uint32 words per row
+        groups = scales.shape[-1] if scales.shape else 0  # groups per row
+        bits = packed * 32 // k
+        group_size = k // groups if groups else 0
+        if (packed * 32 != bits * k or bits not in SUPPORTED_BITS or group_size * groups != k
+                or group_size not in SUPPORTED_GROUP_SIZES):
+            raise TensorShapeError(
+                f"{codes.file}: quantized tensor {codes.name!r} has {packed} words and {groups} groups per row; "
+                f"no MLX width fits a row of {k} values (bits {SUPPORTED_BITS}, group sizes {SUPPORTED_GROUP_SIZES})"
+            )
+        widths[base] = (bits, group_size)
+
+    record = ckpt.metadata.get(QUANTIZATION_KEY)
+    if record is not None:
+        try:
+            record = json.loads(record)
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{ckpt.path}: metadata {QUANTIZATION_KEY} is not valid JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{ckpt.path}: metadata {QUANTIZATION_KEY} is not a JSON object")
+        for name, recipe in p.recipes.items():
+            entry = record.get(recipe.sources[0]) if name == weight_name(name) else None
+            if not isinstance(entry, dict):
+                continue
+            recorded = (entry.get("bits"), entry.get("group_size")) if entry.get("bits") else None
+            if recorded != widths.get(name):
+                stored = widths.get(name)
+                raise TensorShapeError(
+                    f"{ckpt.infos[recipe.sources[0]].file}: tensor {recipe.sources[0]!r} is recorded as "
+                    f"{_width_text(recorded)} but stored as {_width_text(stored)}"
+                )
+    return widths
+
+
+def _width_text(width) -> str:
+    return "unquantized" if width is None else f"{width[0]}-bit with group size {width[1]}"
 
 
 def check_head(p: Plan, config: ModelConfig, where) -> None:
@@ -295,6 +414,10 @@ class Reader:
     def __init__(self, ckpt: Checkpoint, config: ModelConfig):
         self.ckpt, self.config = ckpt, config
         self._last: tuple[str, object] | None = None
+
+    def forget(self) -> None:
+        """Drop the stored tensor kept for the next slice (a converter calls this to keep memory down)."""
+        self._last = None
 
     def _read(self, stored: str):
         if self._last is not None and self._last[0] == stored:
@@ -349,6 +472,24 @@ def unfuse_linear_projection(w, part: str, config: ModelConfig):
 
 
 # ---- writing: internal names -> a stored layout ------------------------------------------------------------
+MLX_TRUNK_PREFIX = "language_model.model."
+
+
+def mlx_name(internal: str) -> str:
+    """Internal name -> the name mlx-lm gives the tensor in its Qwen3.5/3.6 model (what `qmtp.convert` writes).
+
+    Trunk under `language_model.model.`, lm_head as `language_model.lm_head`, the head under `mtp.`, stacked
+    experts as `mlp.switch_mlp.{gate,up,down}_proj` (trunk and head alike). `.scales` / `.biases` follow their
+    weight. `plan` maps every one of these names back.
+    """
+    name = internal.replace(".mlp.experts.", ".mlp.switch_mlp.")
+    if name.startswith("mtp."):
+        return name
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    return MLX_TRUNK_PREFIX + name
+
+
 def stored_entries(config: ModelConfig, layout: str, value_of, head: bool = True, head_experts: bool = True,
                    head_experts_fused: bool = False, expert_value=None):
     """The inverse of `plan`: [(stored name, stored shape, produce)] for writing a checkpoint in `layout`.

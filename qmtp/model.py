@@ -112,7 +112,8 @@ class Model(nn.Module):
 
     @property
     def dtype(self):
-        return self.embed_tokens.weight.dtype
+        """The compute dtype (that of the norms: quantized layers hold uint32 codes)."""
+        return self.norm.weight.dtype
 
     def __repr__(self) -> str:
         c = self.config
@@ -139,12 +140,15 @@ def resolve_path(path) -> Path:
 
 
 def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True) -> Model:
-    """Load a checkpoint directory (any released layout) into a `Model`.
+    """Load a checkpoint directory (any released layout, or a converted one) into a `Model`.
 
     `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
     stored, or one name ("norm"). Fixes a qmtp-written checkpoint records as already applied are never applied
     again. Weights left without a fix load with a UserWarning saying what that does (no conv fix: the first
     forward through a DeltaNet layer fails with MLX's conv1d error, kept so a chapter can show it).
+    Quantized weights (a `qmtp.convert` output, or an mlx-lm conversion) load into quantized layers
+    (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`, `QuantizedStackedLinear`) at the width each one is stored
+    with; their scales and biases take `dtype` like every other weight.
     With no path: $QMTP_MODEL if set, else the bundled tiny model.
     """
     path = resolve_path(path)
@@ -152,13 +156,11 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     dtype = dtype or default_dtype()
     config = ModelConfig.from_file(path)
     ckpt = Checkpoint(path)
-    if any(n.endswith(".scales") for n in ckpt.names()):
-        raise QmtpError(f"{path}: holds quantized tensors; qmtp.load reads unquantized (bf16/f16/f32) checkpoints")
     plan = layout.plan(ckpt, config)
-    layout.check_shapes(ckpt, plan, config)
+    widths = layout.quantization(ckpt, plan, config)
+    layout.check_shapes(ckpt, plan, config, widths)
 
-    trunk_names = layout.expected_shapes(config, head=False)
-    missing = [n for n in trunk_names if n not in plan.recipes]
+    missing = layout.missing_trunk(plan, config)
     if missing:
         raise CheckpointError(
             f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); "
@@ -181,6 +183,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     applying = fixes_mod.to_apply(requested, ckpt.metadata, conv_shape)
 
     model = Model(config, head=with_head, head_routed_experts=head_routed)
+    quantize_layers(model, widths)
     reader = layout.Reader(ckpt, config)
     wanted = set(_flat_names(model))
     weights = []
@@ -188,7 +191,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         if name not in wanted:
             continue  # head tensors when the head is not loaded
         w = fixes_mod.apply(name, reader.materialise(recipe), applying)
-        w = w.astype(mx.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
+        if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
+            w = w.astype(mx.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
         mx.eval(w)
         weights.append((name, w))
     loaded = {name for name, _ in weights}
@@ -208,6 +212,22 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
 
         model.tokenizer = Tokenizer.from_dir(path)
     return model
+
+
+def quantize_layers(model: Model, widths: dict[str, tuple[int, int]]) -> None:
+    """Swap each layer whose weight is stored quantized for its quantized twin, at that weight's width.
+
+    `widths` maps internal weight names to (bits, group_size) (`layout.quantization`). The new layers hold
+    placeholders until the checkpoint's codes, scales and biases are loaded into them.
+    """
+    if not widths:
+        return
+
+    def predicate(path: str, module: nn.Module):
+        width = widths.get(f"{path}.weight")
+        return width is not None and {"group_size": width[1], "bits": width[0], "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
 
 
 def _flat_names(module: nn.Module) -> list[str]:

@@ -7,7 +7,9 @@
     out = routed + shared
 
 The routed experts are stacked ([E, I, H] per projection) and applied with `mx.gather_mm`, which reads
-only the selected experts' rows: that is what makes the model "A3B", 3B active of 35B.
+only the selected experts' rows: that is what makes the model "A3B", 3B active of 35B. A converted
+checkpoint stores them quantized; `QuantizedStackedLinear` applies those with `mx.gather_qmm`, the same
+gather reading packed codes, scales and biases instead.
 """
 
 from __future__ import annotations
@@ -31,6 +33,38 @@ class StackedLinear(nn.Module):
         if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
             w, x = w.astype(mx.float32), x.astype(mx.float32)
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedStackedLinear":
+        """The quantized layer of the same shape (what `nn.quantize` calls); its weights are to be loaded."""
+        n_experts, out_dims, in_dims = self.weight.shape
+        return QuantizedStackedLinear(n_experts, in_dims, out_dims, group_size, bits, mode)
+
+
+class QuantizedStackedLinear(nn.Module):
+    """StackedLinear with each expert's [out, in] matrix quantized along `in` (as `mx.quantize` does it).
+
+    weight: uint32 codes [E, out, in * bits / 32]; scales and biases [E, out, in / group_size]. The weights are
+    frozen, as in `nn.QuantizedLinear`.
+    """
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int, group_size: int = 64, bits: int = 4,
+                 mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight = mx.zeros((n_experts, out_dims, in_dims * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((n_experts, out_dims, in_dims // group_size))
+        self.biases = mx.zeros((n_experts, out_dims, in_dims // group_size))
+        self.freeze()
+
+    def _extra_repr(self) -> str:
+        E, out_dims, words = self.weight.shape
+        return (f"{E} experts, in {words * 32 // self.bits}, out {out_dims}, {self.bits}-bit, "
+                f"group_size={self.group_size}")
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
 
 
 class StackedExperts(nn.Module):

@@ -1,0 +1,471 @@
+"""Convert and quantize: trunk and MTP head in one file, streamed tensor by tensor, fixes applied once.
+
+    SRC (any released layout) --layout.plan--> a recipe for every internal tensor
+      --Reader.materialise--> one tensor (a layer's stacked experts at most)
+      --fixes (norm: 1 + w in float32; conv: [C, 1, K] -> [C, K, 1]), each applied exactly once-->
+      --mx.quantize at that tensor's width--> codes, scales, biases
+      --checkpoint.write_safetensors, one tensor at a time--> DST/model.safetensors
+
+Widths per tensor are `qmtp.sizes`' rules (mlx-lm's): every weight of 2 or more dimensions whose last
+dimension is a multiple of the group size is quantized at `bits`, except the router `mlp.gate` and the
+`mlp.shared_expert_gate` (`router_bits`, groups of 64), `lm_head` (`lm_head_bits`) and the head (`mtp_bits`;
+None keeps it, router included, in the checkpoint dtype). Norms, `dt_bias` and the conv kernels stay in the
+checkpoint dtype, `A_log` in float32. So `qmtp.sizes.sizes(config, ...)` is the exact byte count of the
+tensors written (tests/test_convert.py checks it).
+
+What is written:
+
+* `model.safetensors` (or `--shards N` files `model-0000i-of-0000N.safetensors` and an index). Keys as mlx-lm
+  names them: `language_model.model.embed_tokens`, `language_model.model.layers.{L}.` ...,
+  `language_model.model.norm`, `language_model.lm_head`; routed experts stacked as
+  `mlp.switch_mlp.{gate,up,down}_proj`; the head under `mtp.` with its routed experts stacked the same way
+  (`mtp.layers.0.mlp.switch_mlp.*`). A quantized weight is `X.weight` (uint32 codes), `X.scales`, `X.biases`.
+  Metadata: `format: mlx`, `qmtp.version`, `qmtp.fixes` (the fixes now in the weights, so no loader applies
+  them again), `qmtp.quantization` (for the stored name of every weight: bits, group size and dtype) and
+  `qmtp.source_digest` (sha256 of the source's index and safetensors headers: which checkpoint this came from).
+* `config.json`: the source's, plus mlx-lm's `quantization` block (default `group_size`, `bits`, `mode`; an
+  entry for every router gate, e.g. `"language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}`,
+  and for every other module stored at another width), the same as `quantization_config`, and a `qmtp` block
+  recording the fixes, the widths and the source digest. For the trunk, tensors and block are exactly what
+  `mlx_lm.convert` writes from the same source (tests/test_convert.py compares them byte for byte), except
+  that `A_log` is stored in float32.
+* the tokenizer files (`tokenizer*`, `chat_template*`, `special_tokens_map.json`, `vocab.json`, `merges.txt`,
+  `added_tokens.json`, `generation_config.json`), when the source has them.
+
+mlx-lm's `load` opens the result (its `sanitize` sees the conv kernels in MLX layout, so it does not shift the
+norms again, and drops `mtp.*`); `qmtp.load` reads trunk and head from it. mlx-lm reads only Qwen3.5/3.6
+configs this way: a Qwen3-Next source (`qwen3_next`, fused `in_proj_qkvz`) is written in the split layout,
+which qmtp loads and mlx-lm's `qwen3_next` model does not; a flat `qwen3_5_moe_text` config has no mlx-lm
+model class at all.
+
+The seed's converter (lemon-mlx-engine `convert`, REFERENCE section 8) and this one agree on: one
+`model.safetensors` with `format: mlx`, head keys under `mtp.`, the head's experts stacked as `switch_mlp`,
+a `quantization` block in config.json, the router at 8 bits, the norms shifted in float32, the tokenizer files
+copied. They differ in:
+
+* the head's default width: the seed quantizes the head at `--bits`; qmtp keeps it bf16 (`mtp_bits=None`),
+  and with `mtp_bits` set quantizes the head's router gates at `router_bits` as in the trunk;
+* `lm_head`: the seed defaults to 8 bits, qmtp to `bits` (as mlx-lm does); `lm_head_bits=8` gives the seed's;
+* `shared_expert_gate`: the seed's router rule matches only `mlp.gate`, so it quantizes this [1, H] gate at
+  `--bits`; qmtp (like mlx-lm) at the router width;
+* the `quantization` block: the seed writes only the default `{group_size, bits}`, with which its own loader
+  reads an 8-bit router as 4-bit and refuses the file; qmtp writes an override for every module at another
+  width, as mlx-lm does;
+* the fixes: the seed shifts the norms unconditionally, so converting a converted model shifts them twice;
+  qmtp records them and refuses a converted source;
+* memory: the seed loads the whole model before writing; qmtp holds one tensor group at a time, writes to a
+  temporary directory and renames it into place only when everything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from . import fixes as fixes_mod
+from . import layout
+from .checkpoint import DTYPES, INDEX_NAME, Checkpoint, tensor_bytes, write_safetensors
+from .config import ModelConfig
+from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
+from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
+
+BITS = (2, 3, 4, 5, 6, 8)
+"""Widths `convert` writes (mx.quantize also takes 1 bit; no loader expects it in a model)."""
+GROUP_SIZES = (32, 64, 128)
+ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
+
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
+TOKENIZER_PREFIXES = ("tokenizer", "chat_template")
+
+# Headers, config and tokenizer files, on top of the tensor bytes, when checking the free disk space.
+DISK_MARGIN = 64 * 1024 * 1024
+
+
+@dataclass
+class Conversion:
+    """What `convert` wrote."""
+
+    path: Path
+    tensors: int  # stored tensors (a quantized weight counts three: codes, scales, biases)
+    nbytes: int  # tensor bytes (headers excluded): equal to the `sizes` estimate
+    trunk_bytes: int
+    head_bytes: int
+    seconds: float
+    fixes: tuple[str, ...]  # the fixes now in the weights
+    head: str  # "full", "shared expert only" or "none"
+    source_digest: str
+    files: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"{self.path}: {self.tensors} tensors, {self.nbytes / 1e9:.3f} GB (trunk {self.trunk_bytes / 1e9:.3f}, "
+                f"head {self.head_bytes / 1e9:.3f}), MTP head {self.head}, {self.seconds:.1f} s")
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------
+def parse_width(value, what: str, allow_unquantized: bool = True) -> int | None:
+    """A width argument: an int in BITS, or None / "bf16" / 16 for unquantized (where allowed)."""
+    if value is None or (isinstance(value, str) and value.lower() in ("bf16", "none")) or value == UNQUANTIZED:
+        if allow_unquantized:
+            return None
+        raise UsageError(f"{what}={value!r}: give a width in {BITS}")
+    try:
+        width = int(value)
+    except (TypeError, ValueError):
+        width = None
+    if width not in BITS or isinstance(value, bool) or (isinstance(value, float) and value != width):
+        extra = " or bf16 (unquantized)" if allow_unquantized else ""
+        raise UsageError(f"{what}={value!r} is not supported; MLX quantizes to {BITS} bits{extra}")
+    return width
+
+
+def _check_arguments(bits, group_size, mtp_bits, router_bits, lm_head_bits, shards):
+    bits = parse_width(bits, "bits", allow_unquantized=False)
+    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
+        raise UsageError(f"group_size={group_size!r} is not supported; MLX quantizes with groups of {GROUP_SIZES}")
+    mtp_bits = parse_width(mtp_bits, "mtp_bits")
+    router_bits = parse_width(router_bits, "router_bits")
+    lm_head_bits = bits if lm_head_bits is None else parse_width(lm_head_bits, "lm_head_bits")
+    if shards is not None and (not isinstance(shards, int) or isinstance(shards, bool) or shards < 1):
+        raise UsageError(f"shards={shards!r}: give a number of files, 1 or more")
+    return bits, mtp_bits, router_bits, lm_head_bits
+
+
+def _width(value: int | None) -> int:
+    """convert's None (unquantized) as the `sizes` module spells it."""
+    return UNQUANTIZED if value is None else value
+
+
+# ---- the source ---------------------------------------------------------------------------------------------
+def converted_reason(ckpt: Checkpoint, raw_config: dict, conv_shape) -> str | None:
+    """Why a checkpoint already is a conversion (qmtp's, mlx-lm's, or another quantized one), or None."""
+    if fixes_mod.METADATA_KEY in ckpt.metadata:
+        return f"its metadata records the fixes {json.loads(ckpt.metadata[fixes_mod.METADATA_KEY])} as applied"
+    if ckpt.metadata.get("format") == "mlx":
+        return "its safetensors metadata says format: mlx"
+    if "quantization" in raw_config or "quantization_config" in raw_config:
+        return "its config.json has a quantization block"
+    if any(n.endswith(layout.QUANTIZED_PARTS) for n in ckpt.names()):
+        return "it holds quantized tensors (.scales/.biases)"
+    if any(n.startswith(layout.MLX_TRUNK_PREFIX) for n in ckpt.names()):
+        return f"its tensors are named as mlx-lm writes them ({layout.MLX_TRUNK_PREFIX}*)"
+    if fixes_mod.already_applied(ckpt.metadata, conv_shape):
+        return "its conv kernels are in MLX layout [C, K, 1], so its norms are already shifted"
+    return None
+
+
+def source_digest(ckpt: Checkpoint) -> str:
+    """sha256 of the source's listing: its index (if any), then each file's name and safetensors header."""
+    h = hashlib.sha256()
+    if ckpt.index is not None:
+        h.update((ckpt.path / INDEX_NAME).read_bytes())
+    for file in sorted(ckpt.files, key=lambda f: f.name):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            h.update(file.name.encode() + b"\0" + f.read(length))
+    return h.hexdigest()
+
+
+def _checkpoint_dtype(ckpt: Checkpoint, plan: layout.Plan) -> str:
+    """The dtype most of the source's bytes are stored in: unquantized tensors, scales and biases keep it."""
+    counts = Counter()
+    for name, recipe in plan.recipes.items():
+        for source in recipe.sources:
+            counts[ckpt.infos[source].dtype] += ckpt.infos[source].nbytes
+    return counts.most_common(1)[0][0]
+
+
+def _tokenizer_files(src: Path) -> list[Path]:
+    return sorted(f for f in src.iterdir() if f.is_file() and (f.name in TOKENIZER_FILES or f.name.startswith(TOKENIZER_PREFIXES)))
+
+
+# ---- the conversion -------------------------------------------------------------------------------------------
+def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None = None, router_bits: int = 8,
+            lm_head_bits: int | None = None, shards: int | None = None, force: bool = False,
+            allow_incomplete_head: bool = False, progress: bool = True) -> Conversion:
+    """Convert the checkpoint directory `src` into a quantized one-file model at `dst` (see the module docstring).
+
+    `bits` for the trunk (2, 3, 4, 5, 6 or 8), `group_size` 32, 64 or 128; `mtp_bits` for the head (None or
+    "bf16": unquantized); `router_bits` for the router and shared-expert gates (groups of 64); `lm_head_bits`
+    for lm_head (default `bits`). `shards` splits the weights into that many files plus an index. An existing
+    `dst` is replaced only with `force`; a head without its routed experts is refused unless
+    `allow_incomplete_head`. Raises QmtpError subclasses, each with a one-line message.
+    """
+    started = time.perf_counter()
+    bits, mtp_bits, router_bits, lm_head_bits = _check_arguments(bits, group_size, mtp_bits, router_bits,
+                                                                 lm_head_bits, shards)
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if not src.exists():
+        raise UsageError(f"{src}: no such checkpoint directory")
+    if not src.is_dir():
+        raise UsageError(f"{src}: give the checkpoint directory (with config.json), not a file")
+    config = ModelConfig.from_file(src)  # ConfigError when config.json is missing or unusable
+    raw_config = json.loads((src / "config.json").read_text())
+    ckpt = Checkpoint(src)  # CheckpointError when there are no weights
+
+    plan = layout.plan(ckpt, config)
+    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items()
+                       if fixes_mod.is_conv_kernel(n)), None)
+    reason = converted_reason(ckpt, raw_config, conv_shape)
+    if reason:
+        raise UsageError(f"{src}: is already converted ({reason}); converting it again would shift the norms a "
+                         f"second time: convert the original checkpoint instead")
+    _check_destination(src, dst, force)
+
+    widths = layout.quantization(ckpt, plan, config)  # empty here: quantized sources were refused above
+    layout.check_shapes(ckpt, plan, config, widths)
+    missing = layout.missing_trunk(plan, config)
+    if missing:
+        raise CheckpointError(f"{src}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); the "
+                        f"checkpoint is incomplete or of another layout")
+    head = _check_head(src, plan, config, allow_incomplete_head)
+    if plan.unknown:
+        warnings.warn(f"{src}: {len(plan.unknown)} stored tensors match no tensor of the model and are not "
+                      f"written (first: {plan.unknown[0]})", stacklevel=2)
+
+    dtype = _checkpoint_dtype(ckpt, plan)
+    report = sizes(config, bits=bits, group_size=group_size, mtp_bits=_width(mtp_bits), router_bits=_width(router_bits),
+                   lm_head_bits=_width(lm_head_bits), dtype_bytes=DTYPES[dtype][2], router_group_size=ROUTER_GROUP_SIZE)
+    policy = {t.name: t for t in report.tensors if t.name in plan.recipes}  # a head may be absent or partial
+    needed = sum(t.nbytes for t in policy.values())
+    _check_disk_space(dst, needed + DISK_MARGIN + sum(f.stat().st_size for f in _tokenizer_files(src)))
+
+    applying = fixes_mod.to_apply(fixes_mod.FIXES, ckpt.metadata, conv_shape)
+    done = tuple(f for f in fixes_mod.FIXES if f in applying or f in fixes_mod.already_applied(ckpt.metadata, conv_shape))
+    digest = source_digest(ckpt)
+    settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
+                    router_group_size=ROUTER_GROUP_SIZE, lm_head_bits=lm_head_bits, embed_bits=bits)
+    writer = _TensorWriter(ckpt, plan, config, policy, dtype, applying)
+    metadata = {
+        "format": "mlx",
+        "qmtp.version": __version__,
+        fixes_mod.METADATA_KEY: json.dumps(list(done)),
+        layout.QUANTIZATION_KEY: json.dumps(writer.record, separators=(",", ":")),
+        "qmtp.source_digest": digest,
+    }
+
+    tmp = dst.with_name(f".{dst.name}.qmtp-partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted run left
+    try:
+        tmp.mkdir(parents=True)
+        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress)
+        config_out = dict(raw_config)
+        config_out["quantization"] = writer.quantization_block(bits, group_size)
+        config_out["quantization_config"] = writer.quantization_block(bits, group_size)
+        config_out["qmtp"] = {"version": __version__, "fixes": list(done), **settings, "head": head,
+                              "source_digest": digest}
+        (tmp / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
+        for f in _tokenizer_files(src):
+            shutil.copyfile(f, tmp / f.name)
+        _replace(tmp, dst)
+    except OSError as err:  # disk full, permissions: nothing that looks complete stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise QmtpError(f"{dst}: writing the conversion failed ({err.strerror or err}); nothing was left behind") from None
+    except BaseException:  # an error or Ctrl-C mid-way: the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    trunk = sum(t.nbytes for t in policy.values() if not t.is_head)
+    return Conversion(dst, len(writer.entries), needed, trunk, needed - trunk, time.perf_counter() - started,
+                      done, head, digest, files)
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if s == d or d in s.parents:
+        raise UsageError(f"{dst}: the destination would replace the source {src}; choose another directory")
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise UsageError(f"{dst}: already exists; pass --force (force=True) to replace it")
+        if not dst.is_dir():
+            raise UsageError(f"{dst}: exists and is not a directory; remove it yourself")
+
+
+def _check_head(src: Path, plan: layout.Plan, config: ModelConfig, allow_incomplete: bool) -> str:
+    if not config.has_mtp:
+        return "none"
+    if not plan.head_present:
+        warnings.warn(f"{src}: the config declares an MTP head but no mtp.* tensors are stored: the converted "
+                      f"model has no head and cannot draft", stacklevel=3)
+        return "none"
+    layout.check_head(plan, config, src)
+    if plan.head_has_routed_experts:
+        return "full"
+    if not allow_incomplete:
+        raise IncompleteHeadError(
+            f"{src}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.* absent), so it would draft "
+            f"with its shared expert alone; convert the complete checkpoint, or pass --allow-incomplete-head"
+        )
+    warnings.warn(
+        f"{src}: CONVERTING AN INCOMPLETE MTP HEAD: it has no routed experts, so the converted model drafts "
+        f"with the head's shared expert alone and its acceptance will be far below the complete head's",
+        stacklevel=3,
+    )
+    return "shared expert only"
+
+
+def _check_disk_space(dst: Path, needed: int) -> None:
+    parent = dst.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise QmtpError(f"{parent}: {free / 1e9:.2f} GB free, but the conversion needs about {needed / 1e9:.2f} GB; "
+                        f"free some space or choose another destination")
+
+
+def _replace(tmp: Path, dst: Path) -> None:
+    """Move the finished temporary directory into place; an old `dst` is removed only after that."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.qmtp-old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, dst)
+
+
+class _TensorWriter:
+    """The output tensors as (name, dtype, nbytes, shape, produce) entries, produced one at a time.
+
+    A quantized weight is three consecutive entries (codes, scales, biases) made by one `mx.quantize`: the
+    codes' producer quantizes and keeps scales and biases until their turn, then they are dropped.
+    """
+
+    def __init__(self, ckpt, plan, config, policy, dtype, applying):
+        self.plan, self.policy, self.dtype, self.applying = plan, policy, dtype, applying
+        self.reader = layout.Reader(ckpt, config)
+        self.shapes = layout.expected_shapes(config, head=True)
+        self.names = [n for n in self.shapes if n in policy]  # trunk, then head, as the config orders them
+        self.pending: dict[str, object] = {}
+        self.entries, self.record = [], {}
+        for i, name in enumerate(self.names):
+            t, key = policy[name], layout.mlx_name(name)
+            following = self.names[i + 1] if i + 1 < len(self.names) else None
+            if t.bits is None:
+                out_dtype = "F32" if name.endswith(FLOAT32_SUFFIXES) else dtype
+                self._add(key, out_dtype, self.shapes[name], lambda n=name, d=out_dtype, f=following: self._plain(n, d, f))
+                self.record[key] = {"bits": None, "group_size": None, "dtype": out_dtype}
+            else:
+                codes, groups = layout.quantized_shapes(self.shapes[name], t.bits, t.group_size)
+                stem = key[: -len(".weight")]
+                self._add(key, "U32", codes, lambda n=name, f=following: self._quantize(n, f))
+                self._add(stem + ".scales", dtype, groups, lambda n=name: self._take(n, 1))
+                self._add(stem + ".biases", dtype, groups, lambda n=name: self._take(n, 2))
+                self.record[key] = {"bits": t.bits, "group_size": t.group_size, "dtype": dtype}
+
+    def _add(self, name, dtype, shape, produce):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
+        self.entries.append((name, dtype, nbytes, tuple(shape), produce))
+
+    def _materialise(self, name, following, out_dtype):
+        import mlx.core as mx
+
+        w = fixes_mod.apply(name, self.reader.materialise(self.plan.recipes[name]), self.applying)
+        # Keep a stored tensor read for slicing only while the next output tensor slices it too.
+        if following is None or self.plan.recipes[following].sources[0] != self.plan.recipes[name].sources[0]:
+            self.reader.forget()
+        return w.astype(getattr(mx, DTYPES[out_dtype][1]))
+
+    def _plain(self, name, out_dtype, following):
+        import mlx.core as mx
+
+        w = self._materialise(name, following, out_dtype)
+        data = tensor_bytes(w)
+        del w
+        mx.clear_cache()
+        return data
+
+    def _quantize(self, name, following):
+        import mlx.core as mx
+
+        t = self.policy[name]
+        codes, scales, biases = mx.quantize(self._materialise(name, following, self.dtype), group_size=t.group_size, bits=t.bits)
+        mx.eval(codes, scales, biases)
+        self.pending[name] = [None, scales, biases]
+        data = tensor_bytes(codes)
+        del codes
+        mx.clear_cache()
+        return data
+
+    def _take(self, name, part):
+        parts = self.pending[name]
+        data = tensor_bytes(parts[part])
+        parts[part] = None
+        if part == 2:
+            del self.pending[name]
+        return data
+
+    def quantization_block(self, bits: int, group_size: int) -> dict:
+        """mlx-lm's config block: the default width, then the router gates (always listed, as mlx-lm lists
+        them) and every other module stored at another width."""
+        block = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        for name in self.names:
+            t = self.policy[name]
+            if t.bits is not None and ((t.bits, t.group_size) != (bits, group_size) or is_router(name)):
+                block[layout.mlx_name(name)[: -len(".weight")]] = {"group_size": t.group_size, "bits": t.bits}
+        return block
+
+
+def _write_weights(directory: Path, entries, metadata: dict, shards: int, progress: bool) -> list[str]:
+    """Write the entries into one file, or `shards` files and an index; returns the file names.
+
+    A progress bar (on stderr) counts bytes and tensors as each tensor is produced.
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(e[2] for e in entries), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+               disable=not progress, dynamic_ncols=True)
+    done = 0
+
+    def counted(produce):
+        def run():
+            nonlocal done
+            data = produce()
+            done += 1
+            bar.set_postfix_str(f"{done}/{len(entries)} tensors", refresh=False)
+            bar.update(len(data))
+            return data
+        return run
+
+    groups = _shard_groups(entries, shards)
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    try:
+        for file, group in zip(files, groups):
+            write_safetensors(directory / file, [(n, d, s, counted(p)) for n, d, _, s, p in group], metadata)
+    finally:
+        bar.close()
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(e[2] for e in entries), "format": "mlx"},
+                 "weight_map": {e[0]: file for file, group in zip(files, groups) for e in group}}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def _shard_groups(entries, shards: int) -> list[list]:
+    """Cut the entries into at most `shards` runs of about equal bytes, never between a weight and its
+    scales and biases."""
+    if shards <= 1:
+        return [entries]
+    target = sum(e[2] for e in entries) / shards
+    groups, current, filled = [], [], 0
+    for entry in entries:
+        whole = not entry[0].endswith(layout.QUANTIZED_PARTS)  # scales and biases stay with their codes
+        if current and whole and filled + entry[2] > target * (len(groups) + 1) and len(groups) < shards - 1:
+            groups.append(current)
+            current = []
+        current.append(entry)
+        filled += entry[2]
+    groups.append(current)
+    return groups
