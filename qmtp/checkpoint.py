@@ -86,10 +86,20 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
         raise CheckpointError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: header is not valid JSON ({err}); the file is corrupt") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        # Besides bad syntax (JSONDecodeError, a ValueError): a number past Python's int digit limit (a plain
+        # ValueError) or nesting deeper than the parser follows (RecursionError). No writer produces either.
+        if isinstance(err, (UnicodeDecodeError, json.JSONDecodeError)):
+            reason = err
+        elif isinstance(err, RecursionError):
+            reason = "nested too deeply"
+        else:
+            reason = "a number with thousands of digits"
+        raise CheckpointError(f"{path}: header is not valid JSON ({reason}); the file is corrupt") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt")
 
@@ -109,7 +119,7 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or object is not hashable: check the type first
         raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
@@ -120,7 +130,19 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} are not a valid [begin, end] pair")
-    expected = int(np.prod(shape, dtype=np.float64)) * DTYPES[dtype][2]
+    if len(shape) > 32:  # the most dimensions every supported numpy (>= 1.26) accepts
+        raise CheckpointError(f"{where}: shape has {len(shape)} dimensions, more than the 32 an array can have")
+    if any(d >= 2**63 for d in shape):  # sizes are int64 everywhere downstream
+        raise CheckpointError(f"{where}: shape {shape} has a dimension of 2**63 or more: corrupt header")
+    # exact integer sizes (a float product rounds, overflows to inf, and inf * 0 is nan)
+    numel, extent = 1, 1  # extent: the product of the non-zero dimensions
+    for d in shape:
+        numel *= d
+        extent *= d or 1
+    expected = numel * DTYPES[dtype][2]
+    if numel == 0 and extent >= 2**31:
+        # an empty tensor still needs its other dimensions to be valid array dimensions (MLX's are int32)
+        raise CheckpointError(f"{where}: empty shape {shape} has dimensions multiplying to {extent}: corrupt header")
     if offsets[1] - offsets[0] != expected:
         raise CheckpointError(
             f"{where}: {offsets[1] - offsets[0]} bytes stored but dtype {dtype} and shape {shape} need {expected}"
@@ -193,6 +215,8 @@ class Checkpoint:
                 weight_map = index["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
+                if not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("weight_map values must be shard file names")
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({err})") from None
             self.index = weight_map

@@ -139,3 +139,18 @@ def predicted_acceptance(model: Model, prompt: list[int], generated: list[int]) 
         else:
             t += 1
     return {"proposed": proposed, "accepted": accepted, "rate": accepted / proposed if proposed else float("nan")}
+
+
+def logit_agreement(model_a: Model, model_b, texts: list[str], length: int = 128, tokenizer=None) -> dict:
+    """How close two models' logits are on the same text: top-1 agreement and relative error.
+
+    `model_b` may be any callable that maps tokens [B, T] to logits (an mlx-lm model, for instance).
+    """
+    rows = _windows(model_a, texts, length)[:4, :-1]
+    a = np.array(model_a(mx.array(rows)).astype(mx.float32), dtype=np.float64)
+    b = np.array(model_b(mx.array(rows)).astype(mx.float32), dtype=np.float64)
+    return {
+        "tokens": int(rows.size),
+        "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
+        "max_relative_error": float(np.abs(a - b).max() / np.abs(b).max()),
+    }

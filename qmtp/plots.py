@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display needed; notebooks still show figures inline
-
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 STYLE = {
     "figure.figsize": (7.0, 3.6),
@@ -63,4 +59,118 @@ def layer_pattern(config, title: str | None = None):
               bbox_to_anchor=(0.55, 1.25), fontsize=8)
     if title:
         ax.set_title(title, pad=22)
+    return fig
+
+
+ACCEPTED, REJECTED, TRUNK = "#54A24B", "#E45756", "#4C78A8"
+
+
+def speculative_steps(generation, tokenizer, max_steps: int = 12):
+    """One row per trunk pass: accepted drafts (green), the first rejected draft (red, struck out), and the
+    trunk's own token (blue) that every pass adds."""
+    steps = generation.stats.steps[:max_steps]
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(steps) + 0.6))
+    for row, step in enumerate(steps):
+        x = 0.0
+        pieces = [(d, ACCEPTED) for d in step.drafts[: step.accepted]]
+        if step.accepted < len(step.drafts):
+            pieces.append((step.drafts[step.accepted], REJECTED))
+        pieces.append((step.emitted[-1], TRUNK))
+        for token, colour in pieces:
+            text = repr(tokenizer.decode([token]))[1:-1] or " "
+            width = 0.12 + 0.075 * len(text)
+            ax.text(x, -row, text, color="white", fontsize=8, family="monospace", va="center",
+                    bbox=dict(boxstyle="round,pad=0.25", fc=colour, ec="none"))
+            x += width + 0.08
+    ax.set_xlim(-0.1, 8)
+    ax.set_ylim(-len(steps) + 0.4, 0.8)
+    ax.set_yticks([-r for r in range(len(steps))])
+    ax.set_yticklabels([f"pass {r + 1}" for r in range(len(steps))], fontsize=8)
+    ax.set_xticks([])
+    ax.grid(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (ACCEPTED, REJECTED, TRUNK)]
+    ax.legend(handles, ["draft accepted", "draft rejected", "trunk's own token"], ncol=3, frameon=False,
+              loc="upper center", bbox_to_anchor=(0.45, 1.0 + 0.9 / max(1, len(steps))), fontsize=8)
+    ax.set_title(f"after the prompt {tokenizer.decode(generation.prompt_tokens)!r}", fontsize=9, loc="left",
+                 pad=8 + 28 / max(1, len(steps)))
+    return fig
+
+
+def acceptance_by_position(results: dict):
+    """results: n_draft -> acceptance dict (as qmtp.evaluate.acceptance returns). Two panels: acceptance
+    per draft position for each n_draft, and tokens per trunk pass."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    for n, r in results.items():
+        left.plot(range(1, len(r["per_position"]) + 1), r["per_position"], "o-", label=f"n_draft={n}")
+    left.set_xlabel("draft position")
+    left.set_xticks(range(1, max(len(r["per_position"]) for r in results.values()) + 1))
+    left.set_ylabel("acceptance")
+    left.set_ylim(0, 1)
+    left.legend(frameon=False, fontsize=8)
+    ns = list(results)
+    right.bar([str(n) for n in ns], [results[n]["tokens_per_trunk_pass"] for n in ns], color=TRUNK)
+    right.set_xlabel("n_draft")
+    right.set_ylabel("tokens per trunk pass")
+    fig.tight_layout()
+    return fig
+
+
+def bars(labels, values, ylabel: str, colour: str = TRUNK, ylim=(0, 1)):
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.bar(labels, values, color=colour)
+    for i, v in enumerate(values):
+        ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+    ax.set_ylabel(ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    fig.tight_layout()
+    return fig
+
+
+def bit_packing(bits: int, n_codes: int = 16):
+    """How `n_codes` codes of `bits` bits fill little-endian uint32 words: one colour per code, bit 0 on the
+    right of each word as in the integer; codes that cross a word boundary show in both words."""
+    from matplotlib.patches import Rectangle
+
+    words = (n_codes * bits + 31) // 32
+    fig, ax = plt.subplots(figsize=(8, 0.45 * words + 0.9))
+    cmap = plt.get_cmap("tab20")
+    for word in range(words):
+        for bit in range(32):
+            stream_bit = word * 32 + bit
+            code = stream_bit // bits
+            if code >= n_codes:
+                continue
+            x = 31 - bit
+            ax.add_patch(Rectangle((x, -word), 0.95, 0.8, color=cmap(code % 20)))
+            if stream_bit % bits == 0:
+                ax.text(x + 0.47, -word + 0.4, str(code), ha="center", va="center", fontsize=6, color="white")
+    ax.set_xlim(-0.2, 32.2)
+    ax.set_ylim(-words + 0.8, 1.1)
+    ax.set_yticks([-w + 0.4 for w in range(words)])
+    ax.set_yticklabels([f"word {w}" for w in range(words)], fontsize=8)
+    ax.set_xticks([0.47, 31.47])
+    ax.set_xticklabels(["bit 31", "bit 0"], fontsize=8)
+    ax.grid(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"{bits}-bit codes packed into uint32 words (the number marks each code's lowest bit)", fontsize=9)
+    return fig
+
+
+def width_curves(by_width: dict, xlabel: str):
+    """Perplexity and acceptance against width (dict width -> metrics from qmtp.quality)."""
+    labels = [str(w) for w in by_width]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+    left.plot(labels, [m["perplexity"] for m in by_width.values()], "o-", color=TRUNK)
+    left.set_ylabel("held-out perplexity")
+    left.set_xlabel(xlabel)
+    right.plot(labels, [m["acceptance_n_draft_2"] for m in by_width.values()], "o-", color=ACCEPTED)
+    right.set_ylabel("acceptance at n_draft=2")
+    right.set_xlabel(xlabel)
+    right.set_ylim(0, 1)
+    fig.tight_layout()
     return fig

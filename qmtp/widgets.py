@@ -1,0 +1,38 @@
+"""Interactive explorers for the chapters (ipywidgets; the static book shows their saved state)."""
+
+from __future__ import annotations
+
+import html
+
+from .plots import ACCEPTED, REJECTED, TRUNK
+
+
+def _span(text: str, colour: str, strike: bool = False) -> str:
+    style = f"background:{colour};color:white;border-radius:3px;padding:0 2px;margin:0 1px"
+    if strike:
+        style += ";text-decoration:line-through"
+    return f'<span style="{style}">{html.escape(text)}</span>'
+
+
+def steps_html(generation, tokenizer, upto: int) -> str:
+    """The text after `upto` trunk passes, each pass's tokens coloured by what happened to them."""
+    parts = [html.escape(tokenizer.decode(generation.prompt_tokens))]
+    parts.append(_span(tokenizer.decode([generation.tokens[0]]), TRUNK))
+    for step in generation.stats.steps[:upto]:
+        for d in step.drafts[: step.accepted]:
+            parts.append(_span(tokenizer.decode([d]), ACCEPTED))
+        if step.accepted < len(step.drafts):
+            parts.append(_span(tokenizer.decode([step.drafts[step.accepted]]), REJECTED, strike=True))
+        parts.append(_span(tokenizer.decode([step.emitted[-1]]), TRUNK))
+    return '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.8">' + "".join(parts) + "</div>"
+
+
+def step_explorer(generation, tokenizer):
+    """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's."""
+    import ipywidgets as w
+
+    n = len(generation.stats.steps)
+    slider = w.IntSlider(value=n, min=0, max=n, description="passes")
+    view = w.HTML(steps_html(generation, tokenizer, n))
+    slider.observe(lambda change: setattr(view, "value", steps_html(generation, tokenizer, change["new"])), "value")
+    return w.VBox([slider, view])
