@@ -1,0 +1,75 @@
+"""The bundled tiny model: its shape, its card, and the figures the issue asks for, measured here."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import qmtp
+from qmtp import card, evaluate
+from qmtp.model import BUNDLED_MODEL
+
+pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "model.safetensors").exists(), reason="no bundled model")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qmtp.load()
+
+
+def test_same_architecture_at_toy_widths(model):
+    c = model.config
+    assert (c.num_experts, c.num_experts_per_tok) == (256, 8)
+    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert c.partial_rotary_factor < 1 and c.shared_expert_intermediate_size > 0
+    assert model.mtp is not None and model.mtp.has_routed_experts
+    assert model.mtp.layers[0].mlp.experts.gate_proj.weight.shape[0] == 256
+    size = sum(f.stat().st_size for f in BUNDLED_MODEL.iterdir())
+    assert size < 25e6
+
+
+def test_shipped_in_the_released_layout():
+    ckpt = qmtp.Checkpoint(BUNDLED_MODEL)
+    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe" and config["text_config"]["model_type"] == "qwen3_5_moe_text"
+    assert all(n.startswith(("model.language_model.", "mtp.", "lm_head.")) for n in ckpt.names())
+    assert {i.dtype for i in ckpt.infos.values()} == {"BF16"}
+    assert ckpt.infos["model.language_model.layers.0.linear_attn.conv1d.weight"].shape[1] == 1
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in ckpt
+    assert qmtp.load().fixes_applied == ("norm", "conv")
+
+
+def test_card_is_rendered_from_the_measurements():
+    measurements = json.loads((BUNDLED_MODEL / "measurements.json").read_text())
+    training = json.loads((BUNDLED_MODEL / "training.json").read_text())
+    assert (BUNDLED_MODEL / "MODEL_CARD.md").read_text() == card.render(BUNDLED_MODEL, measurements, training)
+
+
+def test_acceptance_at_one_draft_is_at_least_0_6(model):
+    texts = evaluate.heldout_by_register(2)
+    prompts = [p for docs in texts.values() for p in evaluate.prompts_from(docs, model)]
+    result = evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)
+    assert result["rate"] >= 0.6, result
+
+
+def test_text_needs_the_norm_fix(model):
+    texts = [t for docs in evaluate.heldout_by_register(3).values() for t in docs]
+    fixed = evaluate.text_metrics(model, texts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unshifted = evaluate.text_metrics(qmtp.load(fixes=("conv",)), texts)
+    assert fixed.accuracy > 0.5 and unshifted.accuracy < fixed.accuracy / 2
+
+
+def test_chat_reports_the_acceptance_teacher_forcing_predicts(model):
+    prompt = "Once upon a time, a little fox named"
+    result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--use-mtp", "--n-draft", "2", "--prompt", prompt,
+                             "--max-tokens", "40"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    reported = float(result.stderr.split("acceptance ")[1].split(" ")[0])
+    plain = qmtp.generate(model, prompt, max_tokens=40)
+    predicted = evaluate.predicted_acceptance(model, plain.prompt_tokens, plain.tokens)
+    # the walk and the run agree draft for draft; only the last step, cut by the end of text, may differ
+    assert abs(reported - predicted["rate"]) <= 1.5 / predicted["proposed"] + 0.005
