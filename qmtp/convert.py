@@ -324,15 +324,17 @@ def _check_disk_space(dst: Path, needed: int) -> None:
 
 
 def _replace(tmp: Path, dst: Path) -> None:
-    """Move the finished temporary directory into place; an old `dst` is removed only after that."""
+    """Move the finished temporary directory into place; an old `dst` is removed only after that.
+
+    A run killed between the two renames, or while removing the old directory, leaves `.DST.qmtp-old`
+    behind (and no `dst` in the first case): the next run removes it, whether or not `dst` exists then.
+    """
+    old = dst.with_name(f".{dst.name}.qmtp-old")
+    shutil.rmtree(old, ignore_errors=True)
     if dst.exists():
-        old = dst.with_name(f".{dst.name}.qmtp-old")
-        shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, dst)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class _TensorWriter:

@@ -316,5 +316,36 @@ def report(checks: list[BackendCheck]) -> str:
     return "\n".join(lines)
 
 
+class simulated_fault:
+    """A stand-in for a broken backend, for demonstration only: inside `with simulated_fault(6):`,
+    `mx.quantized_matmul` at that width returns garbage of the right shape, as the ROCm fork's tiled 6-bit
+    path did (it handled only 4 and 8 bits and returned uninitialised memory for 6). Nothing else changes."""
+
+    def __init__(self, bits: int = 6, seed: int = 0):
+        self.bits, self.seed = bits, seed
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        self._original = mx.quantized_matmul
+        original, bits, rng = self._original, self.bits, np.random.default_rng(self.seed)
+
+        def faulty(x, w, scales, biases=None, transpose=True, group_size=64, bits_=None, **kw):
+            width = kw.pop("bits", bits_)
+            out = original(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=width, **kw)
+            if width == bits:
+                return mx.array(rng.standard_normal(out.shape).astype(np.float32) * 1e3).astype(out.dtype)
+            return out
+
+        mx.quantized_matmul = faulty
+        return self
+
+    def __exit__(self, *exc):
+        import mlx.core as mx
+
+        mx.quantized_matmul = self._original
+        return False
+
+
 if __name__ == "__main__":  # python -m qmtp.quant
     print(report(check_backend()))

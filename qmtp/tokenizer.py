@@ -77,6 +77,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp makes the file private (0600): give it the mode open() would, so others can read the model
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -234,3 +234,12 @@ def test_transformers_accepts_saved_directory(trained, tmp_path):
     assert hf(text)["input_ids"] == ours.encode(text)
     assert hf.eos_token_id == ours.eos_id
     assert hf.decode(ours.encode(text)) == text
+
+
+def test_saved_files_have_the_usual_permissions(trained, tmp_path):
+    """Not mkstemp's private 0600: a model directory saved for others must be readable like any file."""
+    (tmp_path / "plain").write_text("x")
+    usual = (tmp_path / "plain").stat().st_mode & 0o777
+    save(trained, tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "tok" / name).stat().st_mode & 0o777 == usual, name
