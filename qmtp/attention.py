@@ -40,12 +40,22 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def rope(self, x: mx.array, offset: int) -> mx.array:
+    def rope(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(
             x, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
         )
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        q, k, v, gate = self.project(x, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask(x.shape[1], offset))
+        return self.output(out, gate)
+
+    def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x [B, L, H] at positions offset.. -> queries [B, H_q, L, D], keys and values [B, H_kv, L, D]
+        (normalised and rotated), and the output gate [B, L, H_q, D]. `offset` may be an int or an mx.array."""
         B, L, _ = x.shape
         q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -53,11 +63,10 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
+        return self.rope(q, offset), self.rope(k, offset), v, gate
 
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask(L, offset))
+    def output(self, out: mx.array, gate: mx.array) -> mx.array:
+        """Attention output [B, H_q, L, D] gated by sigmoid(gate), then o_proj: [B, L, H]."""
+        B, _, L, _ = out.shape
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))

@@ -1,32 +1,159 @@
-"""Benchmarks that print tables and write JSON: `python -m qmtp bench mtp [MODEL]`.
+"""Benchmarks that print tables and write JSON: `python -m qmtp bench decode|mtp [MODEL]`.
 
-Machines are noisy, so every comparison is made inside one run: the variants are interleaved (plain,
-n_draft=2, 3, ... then again), each measured `--repeats` times, and the table reports medians and the
-spread (min to max) and ratios against plain decoding measured in the same rounds.
+Machines are noisy, so every comparison is made inside one run: the variants are interleaved (qmtp, then
+mlx-lm, then mlx-lm, then qmtp, ...; or plain, n_draft=2, 3, ... then again), each measured `repeats` times,
+and the tables report medians, the spread (min to max) and ratios measured in the same rounds.
+
+Decoding speed is counted the same way for every engine: the tokens after the first one over the time from
+the first token to the last (the prompt's prefill is not timed).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
+from . import throughput
+from .config import default_layer_types
 from .model import Model
 from .throughput import expected_union
 
 
-def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3) -> dict:
-    """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft."""
+# ---- plain decoding: qmtp against mlx-lm --------------------------------------------------------------------
+def mlx_lm_model(path, dtype=None):
+    """The same checkpoint loaded by mlx-lm (which drops the MTP head), its floating-point parameters cast to
+    `dtype` (qmtp's compute dtype: float32 on the CPU, whose gather_mm computes only float32)."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model
+
+    from .model import default_dtype
+
+    dtype = dtype or default_dtype()
+    model, _ = load_model(Path(path))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def _qmtp_decode(model: Model, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     from .speculative import generate
 
+    g = generate(model, prompt, max_tokens=max_tokens, n_draft=1, track_experts=False, stop_at_eos=False)
+    return g.tokens, g.stats.decode_seconds
+
+
+def _mlx_lm_decode(model, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    from mlx_lm.generate import generate_step
+
+    tokens, first = [], None
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        tokens.append(int(token))
+        if first is None:
+            first = time.perf_counter()
+    return tokens, time.perf_counter() - first
+
+
+def decode(model: Model, prompts: list, max_tokens: int = 64, repeats: int = 5, reference=None) -> dict:
+    """Plain greedy decoding tokens/s of qmtp and of mlx-lm on the same checkpoint and prompts, interleaved.
+
+    Each round runs every prompt through both engines (the order alternates between rounds); a round's speed
+    is its tokens after the first of each prompt over their time. The ratio qmtp/mlx-lm is taken per round
+    and its median reported. Both engines must produce the same greedy tokens (`same_tokens`).
+    """
+    import mlx_lm
+
+    reference = reference if reference is not None else mlx_lm_model(model.path, model.dtype)
+    engines = {"qmtp": lambda p: _qmtp_decode(model, p, max_tokens),
+               "mlx-lm": lambda p: _mlx_lm_decode(reference, p, max_tokens)}
+    outputs = {name: [run(p)[0] for p in prompts] for name, run in engines.items()}  # warm-up, and the tokens
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs["qmtp"], outputs["mlx-lm"])) if a != b]
+    speeds: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(repeats):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            seconds = tokens = 0
+            for p in prompts:
+                out, s = engines[name](p)
+                seconds += s
+                tokens += len(out) - 1
+            speeds[name].append(tokens / seconds)
+    ratios = [a / b for a, b in zip(speeds["qmtp"], speeds["mlx-lm"])]
+    return {
+        "model": str(model.path),
+        "config": _config_summary(model),
+        "dtype": str(model.dtype).replace("mlx.core.", ""),
+        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+        "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
+        "engines": {name: {"tokens_per_second": statistics.median(s), "tokens_per_second_min": min(s),
+                           "tokens_per_second_max": max(s), "rounds": s} for name, s in speeds.items()},
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "same_tokens": not mismatched, "mismatched_prompts": mismatched,
+    }
+
+
+def decode_table(report: dict) -> str:
+    head = f"{'engine':>8} {'tok/s':>8} {'(min-max)':>17}"
+    lines = [head, "-" * len(head)]
+    for name, e in report["engines"].items():
+        lines.append(f"{name:>8} {e['tokens_per_second']:>8.1f} {e['tokens_per_second_min']:>8.1f}-"
+                     f"{e['tokens_per_second_max']:<8.1f}")
+    lines.append(f"qmtp/mlx-lm: {report['ratio']:.2f} (per round {report['ratio_min']:.2f} to {report['ratio_max']:.2f}); "
+                 f"same greedy tokens: {'yes' if report['same_tokens'] else 'NO, prompts ' + str(report['mismatched_prompts'])}")
+    return "\n".join(lines)
+
+
+# The synthetic model `bench decode --scaled` measures: every layer at the real model's widths (hidden 2048,
+# gated DeltaNet 16/32 heads of 128, attention 16 query / 2 KV heads of 256, experts of 512, top-8, shared
+# expert 512) and the real vocabulary, so one token's pass reads what one of the real model's 40 layers reads;
+# but 4 layers (3 DeltaNet + 1 attention) instead of 40 and 64 experts instead of 256, so that the bf16
+# source (4.4 GB) and its 4-bit conversion (1.3 GB) fit this machine's memory and disk.
+SCALED_REAL_WIDTHS = dict(num_hidden_layers=4, layer_types=default_layer_types(4), num_experts=64,
+                          max_position_embeddings=4096)
+SCALED_BITS = 4
+
+
+def scaled_checkpoint(directory, bits: int = SCALED_BITS, progress: bool = False) -> Path:
+    """Write (once) the synthetic model of SCALED_REAL_WIDTHS, converted to `bits`: returns its directory."""
+    from .config import QWEN36_35B_A3B
+    from .convert import convert
+    from .synthetic import write_checkpoint
+
+    directory = Path(directory)
+    converted = directory / f"{bits}bit"
+    if (converted / "config.json").exists():
+        return converted
+    source = write_checkpoint(directory / "bf16", QWEN36_35B_A3B.replace(**SCALED_REAL_WIDTHS), dtype="BF16")
+    convert(source, converted, bits=bits, progress=progress, force=True)
+    return converted
+
+
+# ---- speculative decoding: n_draft 1 to 5 -------------------------------------------------------------------
+def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3) -> dict:
+    """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft.
+
+    Besides speed and acceptance, each record holds what the cost model needs: the distinct experts each
+    verify pass read per layer (measured, and the independent-routing formula), the seconds per trunk pass
+    and per head draft step, and the bytes the cost model says each reads. The report's "cost_model" fits
+    `throughput.Machine` (overhead + bandwidth) to the trunk passes and predicts every speedup from it.
+    """
+    from .speculative import generate
+
+    for n in n_drafts:  # warm-up: the first passes of each shape trace and compile the layers
+        generate(model, prompts[0], max_tokens=min(max_tokens, 8), n_draft=n, stop_at_eos=False)
     runs: dict[int, list] = {n: [] for n in n_drafts}
     for _ in range(repeats):
         for n in n_drafts:
             stats = [generate(model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False).stats for p in prompts]
             runs[n].append(stats)
     config = model.config
+    E, k = config.num_experts, config.num_experts_per_tok
+    in_memory = throughput.sizes_of(model)
+    cache_bytes = 4 if model.dtype == mx.float32 else 2
+    context = statistics.mean(len(p) for p in prompts) + max_tokens / 2
     results = []
     for n in n_drafts:
         speeds = [sum(s.generated for s in r) / sum(s.decode_seconds for s in r) for r in runs[n]]
@@ -39,7 +166,10 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
         trunk = sum(sum(s.trunk_seconds for s in r) for r in runs[n])
         head = sum(sum(s.head_seconds for s in r) for r in runs[n])
         rollback = sum(sum(s.rollback_seconds for s in r) for r in runs[n])
+        n_passes = [sum(s.trunk_passes for s in r) for r in runs[n]]
         emitted = sum(len(step.emitted) for s in first for step in s.steps)
+        measured_union = experts.mean(axis=0).tolist()
+        independent = float(np.mean([expected_union(E, k, t) for t in tokens_in_pass]))
         results.append({
             "n_draft": n,
             "tokens_per_second": statistics.median(speeds),
@@ -50,35 +180,93 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             "trunk_share": trunk / (trunk + head + rollback),
             "head_share": head / (trunk + head + rollback),
             "rollback_share": rollback / (trunk + head + rollback),
-            "experts_per_layer_measured": experts.mean(axis=0).tolist(),
+            "tokens_in_verify_pass": statistics.mean(tokens_in_pass),
+            "experts_per_layer_measured": measured_union,
+            "experts_per_layer_independent": independent,
             "experts_per_pass_measured": float(experts.mean()),
-            "experts_per_pass_independent": float(np.mean([
-                expected_union(config.num_experts, config.num_experts_per_tok, t) for t in tokens_in_pass
-            ])),
+            "experts_per_pass_independent": independent,
+            "union_measured_over_independent": float(experts.mean()) / independent,
+            "trunk_seconds_per_pass": statistics.median(
+                sum(s.trunk_seconds for s in r) / p for r, p in zip(runs[n], n_passes)),
+            "head_seconds_per_draft": statistics.median(
+                sum(s.head_seconds for s in r) / (p * (n - 1)) for r, p in zip(runs[n], n_passes)) if n > 1 else 0.0,
+            "trunk_bytes_per_pass": throughput.total(
+                throughput.trunk_pass_bytes(config, in_memory, n, context, measured_union, cache_bytes)),
+            "trunk_bytes_per_pass_independent": throughput.total(
+                throughput.trunk_pass_bytes(config, in_memory, n, context, None, cache_bytes)),
+            "head_bytes_per_draft": throughput.total(throughput.head_step_bytes(config, in_memory, context, cache_bytes)),
         })
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
     for r in results:
         r["speedup_vs_plain"] = r["tokens_per_second"] / plain if plain else None
-    return {"model": str(model.path), "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
-            "results": results}
+    report = {"model": str(model.path), "config": _config_summary(model), "max_tokens": max_tokens,
+              "prompts": len(prompts), "repeats": repeats, "context": context, "results": results}
+    report["cost_model"] = _fit_and_predict(model, in_memory, results, context, cache_bytes)
+    return report
+
+
+def _fit_and_predict(model: Model, in_memory, results: list[dict], context: float, cache_bytes: int) -> dict | None:
+    """Fit overhead + bytes/bandwidth to the measured trunk passes; predict each n_draft's speedup from it."""
+    if len(results) < 2 or all(r["n_draft"] > 1 for r in results) or model.mtp is None:
+        return None
+    drafting = [r for r in results if r["n_draft"] > 1]
+    try:
+        machine = throughput.fit_machine(
+            [r["trunk_bytes_per_pass"] for r in results], [r["trunk_seconds_per_pass"] for r in results],
+            [r["head_bytes_per_draft"] for r in drafting], [r["head_seconds_per_draft"] for r in drafting],
+        )
+    except ValueError:
+        return None
+    plain_seconds = next(r["trunk_seconds_per_pass"] for r in results if r["n_draft"] == 1)
+    predictions = []
+    for r in results:
+        n = r["n_draft"]
+        rates = [a or 0.0 for a in r["acceptance_per_position"]]
+        p = throughput.predicted_speedup(model.config, in_memory, rates, n, machine, int(context),
+                                         union=r["experts_per_layer_measured"], cache_bytes=cache_bytes)
+        # The same step priced with the measured times of its parts instead of the fitted machine.
+        step = r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"]
+        predictions.append({"n_draft": n, "tokens_per_pass": p.tokens_per_pass, "predicted_speedup": p.speedup,
+                            "speedup_from_measured_parts": p.tokens_per_pass * plain_seconds / step,
+                            "measured_speedup": r["speedup_vs_plain"]})
+    return {"bandwidth": machine.bandwidth, "overhead": machine.overhead, "head_overhead": machine.head_overhead,
+            "predictions": predictions}
 
 
 def mtp_table(report: dict) -> str:
-    head = (f"{'n_draft':>7} {'tok/s':>8} {'(min-max)':>15} {'vs plain':>8} {'tok/pass':>8} "
-            f"{'trunk/head/rollback':>20} {'experts/layer':>13} {'indep.':>7}  acceptance per position")
+    head = (f"{'n_draft':>7} {'tok/s':>8} {'(min-max)':>15} {'vs plain':>8} {'predicted':>9} {'tok/pass':>8} "
+            f"{'trunk/head/rollback':>20} {'experts':>8} {'indep.':>7}  acceptance per position")
     lines = [head, "-" * len(head)]
+    predicted = {p["n_draft"]: p["predicted_speedup"] for p in (report.get("cost_model") or {}).get("predictions", [])}
     for r in report["results"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"] if a is not None) or "-"
         split = f"{r['trunk_share']:.0%}/{r['head_share']:.0%}/{r['rollback_share']:.0%}"
+        guess = f"{predicted[r['n_draft']]:>9.2f}" if r["n_draft"] in predicted else f"{'-':>9}"
         lines.append(
             f"{r['n_draft']:>7} {r['tokens_per_second']:>8.1f} "
             f"{r['tokens_per_second_min']:>7.1f}-{r['tokens_per_second_max']:<7.1f} {r['speedup_vs_plain']:>8.2f} "
-            f"{r['tokens_per_trunk_pass']:>8.2f} {split:>20} {r['experts_per_pass_measured']:>13.1f} "
+            f"{guess} {r['tokens_per_trunk_pass']:>8.2f} {split:>20} {r['experts_per_pass_measured']:>8.1f} "
             f"{r['experts_per_pass_independent']:>7.1f}  {acc}"
         )
+    lines.append("experts: distinct experts a verify pass read, mean over layers (indep.: E(1-(1-k/E)^n))")
+    lines.append("experts per layer, measured:")
+    for r in report["results"]:
+        per_layer = " ".join(f"{e:5.1f}" for e in r["experts_per_layer_measured"])
+        lines.append(f"  n_draft={r['n_draft']}: {per_layer}   (independent routing: {r['experts_per_layer_independent']:.1f})")
+    cost = report.get("cost_model")
+    if cost:
+        lines.append(f"cost model fitted to the trunk passes: {cost['overhead'] * 1e3:.2f} ms per pass + bytes at "
+                     f"{cost['bandwidth'] / 1e9:.2f} GB/s (effective); head step overhead {cost['head_overhead'] * 1e3:.2f} ms")
     return "\n".join(lines)
+
+
+def _config_summary(model: Model) -> dict:
+    c = model.config
+    return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok, "moe_intermediate_size": c.moe_intermediate_size,
+            "vocab_size": c.vocab_size}
 
 
 def write_json(report: dict, path: Path | None) -> None:
     if path is not None:
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -7,7 +7,9 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--prompts-per-register", type=int, default=2)
     mtp.add_argument("--n-draft-max", type=int, default=5)
     mtp.add_argument("--json", type=Path, help="also write the results here")
+    decode = benches.add_parser("decode", help="plain greedy decoding, qmtp against mlx-lm, interleaved in one run")
+    decode.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
+    decode.add_argument("--scaled", type=Path, metavar="DIR",
+                        help="instead of MODEL: a synthetic model of the real layer widths (4 layers, 64 experts, "
+                             "4-bit), written to DIR on first use")
+    decode.add_argument("--max-tokens", type=int, default=64)
+    decode.add_argument("--repeats", type=int, default=5)
+    decode.add_argument("--prompts-per-register", type=int, default=1)
+    decode.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
 
@@ -212,22 +223,47 @@ def _scan(ckpt) -> list[str]:
 
 def bench(args) -> int:
     from . import bench as benchmarks
-    from .evaluate import heldout_by_register, prompts_from
     from .model import load
 
+    if args.bench == "decode" and args.scaled is not None:
+        if args.model is not None:
+            raise UsageError("bench decode: give MODEL or --scaled DIR, not both")
+        print(f"synthetic model of the real layer widths in {args.scaled} (written on first use) ...", flush=True)
+        args.model = benchmarks.scaled_checkpoint(args.scaled)
     model = load(args.model)
-    model.require_head()
-    if model.tokenizer is not None:
-        texts = heldout_by_register(args.prompts_per_register)
-        prompts = [p for docs in texts.values() for p in prompts_from(docs, model)]
+    if args.bench == "mtp":
+        model.require_head()
+    prompts = _bench_prompts(model, args.prompts_per_register)
+    if args.bench == "decode":
+        _require_mlx_lm()
+        report = benchmarks.decode(model, prompts, args.max_tokens, args.repeats)
+        print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved rounds, "
+              f"{report['dtype']}")
+        print(benchmarks.decode_table(report))
     else:
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(5 * args.prompts_per_register)]
-    report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats)
-    print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved repeats")
-    print(benchmarks.mtp_table(report))
+        report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats)
+        print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved repeats")
+        print(benchmarks.mtp_table(report))
     benchmarks.write_json(report, args.json)
     return 0
+
+
+def _bench_prompts(model, per_register: int) -> list[list[int]]:
+    """Held-out text prompts when the model has a tokenizer, else random token ids (fixed seed)."""
+    from .evaluate import heldout_by_register, prompts_from
+
+    if model.tokenizer is not None:
+        texts = heldout_by_register(per_register)
+        return [p for docs in texts.values() for p in prompts_from(docs, model)]
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(5 * per_register)]
+
+
+def _require_mlx_lm() -> None:
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        raise UsageError("bench decode compares with mlx-lm, which is not installed (pip install mlx-lm)") from None
 
 
 def chat(args) -> int:
@@ -269,13 +305,22 @@ def _stdin_prompts():
             yield line
 
 
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Show each Python warning as one line, "qmtp: warning: ...", not as file:line plus a line of source."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _warn_line
+        yield
+
+
 COMMANDS = {"chat": chat, "convert": convert, "doctor": doctor, "bench": bench}
 
 
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return COMMANDS[args.command](args)
+        with _one_line_warnings():
+            return COMMANDS[args.command](args)
     except QmtpError as err:
         print(f"qmtp: error: {err}", file=sys.stderr)
         return 2

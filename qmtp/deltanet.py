@@ -69,6 +69,25 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(config.linear_value_dim, H, bias=False)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
+        B = x.shape[0]
+        past = cache.conv if cache is not None else None
+        if past is None:
+            past = mx.zeros((B, self.kernel - 1, self.conv_dim), x.dtype)
+        state = cache.recurrent if cache is not None else None
+        if state is None:
+            state = mx.zeros((B, self.n_v_heads, self.k_dim, self.v_dim), mx.float32)
+        record = cache is not None and cache.record
+        out, conv, state, history = self.step(x, past, state, record)
+        if cache is not None:
+            cache.conv, cache.recurrent = conv, state
+            cache.offset += x.shape[1]
+            if record:
+                cache.history = history
+        return out
+
+    def step(self, x: mx.array, past: mx.array, state: mx.array, record: bool = False):
+        """The layer as a function of its state: (x [B, T, H], the last K-1 conv inputs, S) -> (output, the
+        new last K-1 conv inputs, the new S, and with `record` the pair (conv inputs, S) after every position)."""
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(B, T, self.n_v_heads, self.v_dim)
@@ -77,10 +96,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
         )
 
-        past = cache.conv if cache is not None and cache.conv is not None else None
-        if past is None:
-            past = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype)
-        conv_in = mx.concatenate([past, qkv], axis=1)
+        conv_in = mx.concatenate([past if past.dtype == qkv.dtype else past.astype(qkv.dtype), qkv], axis=1)
         conv_out = nn.silu(mx.conv1d(conv_in, self.conv1d["weight"], groups=self.conv_dim))
 
         q, k, v = mx.split(conv_out.astype(mx.float32), self.split_points, axis=-1)
@@ -91,18 +107,8 @@ class GatedDeltaNet(nn.Module):
         if repeat > 1:
             q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
 
-        state = cache.recurrent if cache is not None and cache.recurrent is not None else None
-        if state is None:
-            state = mx.zeros((B, self.n_v_heads, self.k_dim, self.v_dim), mx.float32)
-        record = cache is not None and cache.record
         out, state, states = gated_delta_recurrence(q, k, v, g, beta, state, record)
-        if cache is not None:
-            keep = self.kernel - 1
-            cache.conv = conv_in[:, -keep:]
-            cache.recurrent = state
-            cache.offset += T
-            if record:
-                cache.history = [(conv_in[:, t + 1: t + 1 + keep], s) for t, s in enumerate(states)]
-
+        keep = self.kernel - 1
+        history = [(conv_in[:, t + 1: t + 1 + keep], s) for t, s in enumerate(states)]
         out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(B, T, -1))
+        return self.out_proj(out.reshape(B, T, -1)), conv_in[:, -keep:], state, history

@@ -144,17 +144,41 @@ class SparseMoE(nn.Module):
         self.routing_log: list | None = None  # set to a list to collect the expert indices of every call
         self.balance_log: list | None = None  # set to a list (in training) to collect the load-balancing term
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __setattr__(self, key, value):
+        # The logs are plain attributes, outside the parameter tree: what they collect is not a parameter, and
+        # a compiled step that reads the layer's parameters must not see them grow.
+        if key in ("routing_log", "balance_log"):
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
+
+    def forward(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """x [..., H] -> (output [..., H], chosen experts [N, k], router logits [N, E]); no logging.
+
+        The experts and logits are None for a layer without routed experts. Pure: the compiled decode step
+        (`qmtp.model.DecoderLayer`) calls this and hands the chosen experts to the routing log itself.
+        """
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         out = mx.sigmoid(self.shared_expert_gate(flat).astype(mx.float32)) * self.shared_expert(flat).astype(mx.float32)
+        indices = logits = None
         if self.experts is not None:
             logits = self.gate(flat)
             indices, weights = route(logits, self.top_k, self.renormalise)
-            if self.routing_log is not None:
-                self.routing_log.append(indices)
-            if self.balance_log is not None:
-                self.balance_log.append(balance_term(logits, indices, self.gate.weight.shape[0]))
             routed = self.experts(flat, indices)  # [N, k, H]
             out = out + (routed.astype(mx.float32) * weights[..., None]).sum(axis=-2)
-        return out.astype(x.dtype).reshape(shape)
+        return out.astype(x.dtype).reshape(shape), indices, logits
+
+    def log(self, indices: mx.array | None, logits: mx.array | None = None) -> None:
+        """Append to whichever logs are switched on (`routing_log`, `balance_log`)."""
+        if indices is None:
+            return
+        if self.routing_log is not None:
+            self.routing_log.append(indices)
+        if self.balance_log is not None and logits is not None:
+            self.balance_log.append(balance_term(logits, indices, self.gate.weight.shape[0]))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out, indices, logits = self.forward(x)
+        self.log(indices, logits)
+        return out

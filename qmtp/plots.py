@@ -92,9 +92,8 @@ def speculative_steps(generation, tokenizer, max_steps: int = 12):
         ax.spines[side].set_visible(False)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (ACCEPTED, REJECTED, TRUNK)]
     ax.legend(handles, ["draft accepted", "draft rejected", "trunk's own token"], ncol=3, frameon=False,
-              loc="upper center", bbox_to_anchor=(0.45, 1.0 + 0.9 / max(1, len(steps))), fontsize=8)
-    ax.set_title(f"after the prompt {tokenizer.decode(generation.prompt_tokens)!r}", fontsize=9, loc="left",
-                 pad=8 + 28 / max(1, len(steps)))
+              loc="upper center", bbox_to_anchor=(0.45, 0.0), fontsize=8)
+    ax.set_title(f"after the prompt {tokenizer.decode(generation.prompt_tokens)!r}", fontsize=9, loc="left")
     return fig
 
 
@@ -172,5 +171,95 @@ def width_curves(by_width: dict, xlabel: str):
     right.set_ylabel("acceptance at n_draft=2")
     right.set_xlabel(xlabel)
     right.set_ylim(0, 1)
+    fig.tight_layout()
+    return fig
+
+
+def expert_union(report: dict, n_experts: int, top_k: int):
+    """Distinct experts a verify pass read per layer (dots, one per layer) against the independent-routing
+    formula E(1-(1-k/E)^n) (line) and the no-sharing bound n*k (dashed), for each n_draft of `qmtp.bench.mtp`."""
+    from .throughput import expected_union
+
+    fig, ax = plt.subplots()
+    ns = [r["n_draft"] for r in report["results"]]
+    for r in report["results"]:
+        layers = r["experts_per_layer_measured"]
+        offsets = [(i - (len(layers) - 1) / 2) * 0.03 for i in range(len(layers))]
+        ax.plot([r["n_draft"] + o for o in offsets], layers, "o", ms=4, color=TRUNK, alpha=0.7,
+                label="measured, one dot per layer" if r is report["results"][0] else None)
+    grid = [1 + i / 20 for i in range(20 * (max(ns) - 1) + 1)]
+    ax.plot(grid, [expected_union(n_experts, top_k, n) for n in grid], color=REJECTED,
+            label="independent routing: E(1-(1-k/E)^n)")
+    ax.plot(ns, [top_k * n for n in ns], "--", color="#888888", lw=0.8, label="no expert shared: n k")
+    ax.set_xticks(ns)
+    ax.set_xlabel("tokens in the verify pass (n_draft)")
+    ax.set_ylabel("distinct experts read per layer")
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
+    """Predicted speedup over plain decoding against n_draft (rows of `qmtp.throughput.real_model_table`): one
+    line per (model, width); the band `claimed` (low, high) marks reported speedups."""
+    fig, ax = plt.subplots()
+    styles = {"MoE": "-", "dense, same active size": "--"}
+    widths = sorted({r["bits"] for r in rows})
+    colours = dict(zip(widths, (TRUNK, "#F58518", ACCEPTED, REJECTED)))
+    for model in styles:
+        for bits in widths:
+            line = [r for r in rows if r["model"] == model and r["bits"] == bits]
+            ax.plot([r["n_draft"] for r in line], [r["speedup"] for r in line], styles[model], marker="o", ms=3,
+                    color=colours[bits], label=f"{model}, {bits}-bit")
+    if claimed:
+        ax.axhspan(*claimed, color="#B0B0B0", alpha=0.3, lw=0, label="reported for A3B MoE models")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set_xticks(sorted({r["n_draft"] for r in rows}))
+    ax.set_xlabel("n_draft")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def measured_vs_predicted(report: dict):
+    """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the cost
+    model's prediction from its fitted overhead and bandwidth (dots), from `qmtp.bench.mtp`."""
+    results = report["results"]
+    predictions = {p["n_draft"]: p for p in report["cost_model"]["predictions"]}
+    plain = next(r for r in results if r["n_draft"] == 1)
+    ns = [r["n_draft"] for r in results]
+    measured = [r["speedup_vs_plain"] for r in results]
+    low = [m - r["tokens_per_second_min"] / plain["tokens_per_second"] for m, r in zip(measured, results)]
+    high = [r["tokens_per_second_max"] / plain["tokens_per_second"] - m for m, r in zip(measured, results)]
+    fig, ax = plt.subplots()
+    ax.bar(ns, measured, color=TRUNK, alpha=0.8, yerr=[[max(0, v) for v in low], [max(0, v) for v in high]],
+           capsize=3, label="measured")
+    ax.plot(ns, [predictions[n]["predicted_speedup"] for n in ns], "o", color=REJECTED, label="cost model (fitted)")
+    ax.plot(ns, [predictions[n]["tokens_per_pass"] for n in ns], "_", ms=18, color="#888888",
+            label="tokens per pass (the ceiling)")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set_xticks(ns)
+    ax.set_xlabel("n_draft")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, unit_name: str = "GB"):
+    """Stacked bars: what one pass reads, by term (dict label -> `qmtp.throughput` breakdown)."""
+    fig, ax = plt.subplots()
+    terms = []
+    for b in breakdowns.values():
+        terms += [t for t in b if t not in terms]
+    cmap = plt.get_cmap("tab20")
+    bottoms = [0.0] * len(breakdowns)
+    for i, term in enumerate(terms):
+        values = [b.get(term, 0.0) / unit for b in breakdowns.values()]
+        ax.bar(list(breakdowns), values, bottom=bottoms, color=cmap(i % 20), label=term)
+        bottoms = [a + v for a, v in zip(bottoms, values)]
+    ax.set_ylabel(f"{unit_name} read per pass")
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig

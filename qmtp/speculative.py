@@ -16,6 +16,8 @@ decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculativ
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -119,7 +121,8 @@ class _Sampler:
         return int(self.rng.choice(len(logits), p=self.probs(logits)))
 
 
-def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: int, temperature: float, head):
+def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: int, temperature: float, seed,
+              head):
     if not 1 <= n_draft <= MAX_N_DRAFT:
         raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
     if n_draft > 1 and head is None:
@@ -128,21 +131,50 @@ def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: 
         raise UsageError("the prompt is empty: give at least one token of text")
     if max_tokens < 1:
         raise UsageError(f"max_tokens={max_tokens} must be at least 1")
-    if temperature < 0:
-        raise UsageError(f"temperature={temperature} must be >= 0")
-    limit = model.config.max_position_embeddings
-    if len(prompt_tokens) + max_tokens + n_draft > limit:
+    if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails every comparison
+        raise UsageError(f"temperature={temperature} must be a finite number >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise UsageError(f"seed={seed!r} must be a non-negative integer")
+    vocab = model.config.vocab_size
+    outside = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
+    if outside is not None:  # MLX does not bounds-check an embedding lookup: garbage, or a crash
+        where = f" of {model.path}" if model.path else ""
         raise UsageError(
-            f"prompt of {len(prompt_tokens)} tokens + {max_tokens} new ones exceeds the context of {limit} positions"
+            f"prompt token id {outside} is outside the vocabulary{where} (0..{vocab - 1}, config.json vocab_size); "
+            f"were the ids made by another model's tokenizer?"
+        )
+    # The sequence (prompt and new tokens) must fit the context, and so must the drafts verified past its
+    # last token (the cache holds one position less: the last new token is never fed back).
+    limit = model.config.max_position_embeddings
+    if len(prompt_tokens) > limit:
+        raise UsageError(f"prompt of {len(prompt_tokens)} tokens is longer than the context of {limit} positions")
+    needed = len(prompt_tokens) + max_tokens + n_draft - 1
+    if needed > limit:
+        drafts = f" + {n_draft - 1} drafted ahead" if n_draft > 1 else ""
+        raise UsageError(
+            f"prompt of {len(prompt_tokens)} tokens + {max_tokens} new ones{drafts} is {needed} positions, more "
+            f"than the context of {limit}: ask for at most {max_tokens - (needed - limit)} new tokens"
         )
 
 
-def _experts_touched(model: Model) -> list[int]:
-    counts = []
+def _start_routing_logs(model: Model) -> None:
     for layer in model.layers:
-        log = layer.mlp.routing_log
-        counts.append(int(np.unique(np.array(mx.concatenate([i.reshape(-1) for i in log]))).size) if log else 0)
-    return counts
+        layer.mlp.routing_log = []
+
+
+def _stop_routing_logs(model: Model) -> list[list[mx.array]]:
+    """Per trunk layer, the expert indices its calls chose since `_start_routing_logs` (still on the device)."""
+    logs = []
+    for layer in model.layers:
+        logs.append(layer.mlp.routing_log)
+        layer.mlp.routing_log = None
+    return logs
+
+
+def _experts_touched(logs: list[list[mx.array]]) -> list[int]:
+    """Per layer, how many distinct experts its log names. Run once the generation is over, so that tracking
+    adds no work and no host sync to the passes it watches."""
+    return [int(np.unique(np.concatenate([np.array(i).ravel() for i in log])).size) if log else 0 for log in logs]
 
 
 def generate(
@@ -160,12 +192,15 @@ def generate(
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids).
 
-    n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft).
-    temperature: 0 for greedy; otherwise rejection sampling keeps exactly the trunk's distribution.
-    head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)` for ablations); default model.mtp.
-    hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre" before it.
-    rollback: "record" keeps each position's linear-attention state during verification; "replay" restores a
-      snapshot and runs the accepted tokens again.
+    Args:
+        n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
+            the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1.
+        temperature: 0 for greedy; otherwise rejection sampling keeps exactly the trunk's distribution.
+        head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); default model.mtp.
+        hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
+            the state before it.
+        rollback: "record" keeps each position's linear-attention state during verification; "replay"
+            restores a snapshot and runs the accepted tokens again.
     """
     if isinstance(prompt, str):
         if model.tokenizer is None:
@@ -174,13 +209,16 @@ def generate(
             raise UsageError("the prompt is empty: give at least one token of text")
         prompt_tokens = model.tokenizer.encode(prompt)
     else:
-        prompt_tokens = [int(t) for t in prompt]
+        try:
+            prompt_tokens = [operator.index(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
     if hidden not in ("post", "pre"):
         raise UsageError(f"hidden={hidden!r}: use 'post' (after the final norm) or 'pre'")
     if rollback not in ("record", "replay"):
         raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
     drafter = head if head is not None else model.mtp
-    _validate(model, prompt_tokens, max_tokens, n_draft, temperature, drafter if n_draft > 1 else None)
+    _validate(model, prompt_tokens, max_tokens, n_draft, temperature, seed, drafter if n_draft > 1 else None)
     k = n_draft - 1
     eos = model.tokenizer.eos_id if (stop_at_eos and model.tokenizer is not None) else None
     sampler = _Sampler(temperature, seed)
@@ -192,19 +230,53 @@ def generate(
 
         head_cache = KVCache()
 
-    def trunk_pass(tokens: list[int]):
-        pre, post = model.trunk(mx.array([tokens]), cache)
+    def trunk_pass(tokens):
+        pre, post = model.trunk(tokens if isinstance(tokens, mx.array) else mx.array([tokens]), cache)
         logits = model.logits(post)
         return (post if hidden == "post" else pre), logits
+
+    greedy = temperature == 0
+    expert_logs: list = []  # per verify pass, per layer: the experts chosen (read when the generation ends)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     started = time.perf_counter()
     h, logits = trunk_pass(prompt_tokens)
-    last = np.array(logits[0, -1].astype(mx.float32))
-    mx.eval(h)
+    last = logits[0, -1].astype(mx.float32)
+    if greedy:
+        first = mx.argmax(last)
+        mx.eval(first, h)
+        pending = int(first.item())
+    else:
+        last = np.array(last)
+        mx.eval(h)
+        pending = sampler.choose(last)
     stats.prefill_seconds = time.perf_counter() - started
-    pending = sampler.choose(last)
     out = [pending]
+
+    if k == 0 and greedy:
+        # ---- plain greedy decoding, pipelined ----------------------------------------------------------------
+        # The next pass is queued (mx.async_eval) before the current token is read, so the machine computes
+        # while Python builds the next graph: one host sync per token, and no idle gap between passes.
+        t0 = time.perf_counter()
+        token = mx.array([[pending]])
+        queued = None
+        while len(out) < max_tokens and not (eos is not None and out[-1] == eos):
+            if queued is None:
+                queued = _queue_plain_pass(model, token, trunk_pass, track_experts)
+            token, logs = queued
+            queued = None
+            if len(out) + 1 < max_tokens:
+                queued = _queue_plain_pass(model, token, trunk_pass, track_experts)
+            next_token = int(token.item())
+            if logs is not None:
+                expert_logs.append(logs)
+            stats.tokens_per_pass.append(1)
+            stats.trunk_passes += 1
+            stats.steps.append(Step([], 0, [next_token]))
+            out.append(next_token)
+        stats.trunk_seconds = time.perf_counter() - t0
+        return _finish(model, out, prompt_tokens, max_tokens, eos, stats, expert_logs)
+
     # Head inputs not yet fed to the head: (trunk state at position j, token at j + 1) from position `head_from`.
     head_from, head_h, head_next = 0, h, prompt_tokens[1:] + [pending]
 
@@ -214,14 +286,23 @@ def generate(
         if k:
             t0 = time.perf_counter()
             z = drafter(head_h, model.embed_tokens(mx.array([head_next])), head_cache)[:, -1:]
+            chosen = []  # greedy: the drafts stay on the device until all k are made (one sync)
             for i in range(k):
-                draft_logits = np.array(model.logits(z)[0, -1].astype(mx.float32))
-                d = sampler.choose(draft_logits)
-                drafts.append(d)
-                if temperature > 0:
+                draft_logits = model.logits(z)[0, -1].astype(mx.float32)
+                if greedy:
+                    d = mx.argmax(draft_logits)
+                    chosen.append(d)
+                    d = d.reshape(1, 1)
+                else:
+                    draft_logits = np.array(draft_logits)
+                    d = sampler.choose(draft_logits)
+                    drafts.append(d)
                     draft_probs.append(sampler.probs(draft_logits))
+                    d = mx.array([[d]])
                 if i + 1 < k:
-                    z = drafter(z, model.embed_tokens(mx.array([[d]])), head_cache)
+                    z = drafter(z, model.embed_tokens(d), head_cache)
+            if greedy:
+                drafts = mx.stack(chosen).tolist()
             stats.head_seconds += time.perf_counter() - t0
 
         # ---- verify --------------------------------------------------------------------------------------------
@@ -229,15 +310,15 @@ def generate(
         snapshot = cache.snapshot() if rollback == "replay" else None
         cache.set_record(rollback == "record" and k > 0)
         if track_experts:
-            for layer in model.layers:
-                layer.mlp.routing_log = []
+            _start_routing_logs(model)
         verify_tokens = [pending] + drafts
         h_verify, logits = trunk_pass(verify_tokens)
-        verify_logits = np.array(logits[0].astype(mx.float32))
         if track_experts:
-            stats.experts_per_pass.append(_experts_touched(model))
-            for layer in model.layers:
-                layer.mlp.routing_log = None
+            expert_logs.append(_stop_routing_logs(model))
+        if greedy:
+            trunk_choices = mx.argmax(logits[0].astype(mx.float32), axis=-1).tolist()
+        else:
+            verify_logits = np.array(logits[0].astype(mx.float32))
         stats.tokens_per_pass.append(len(verify_tokens))
         stats.trunk_seconds += time.perf_counter() - t0
         stats.trunk_passes += 1
@@ -246,8 +327,8 @@ def generate(
         accepted, next_token = 0, None
         for i, d in enumerate(drafts):
             stats.drafted[i] += 1
-            if temperature == 0:
-                ok = d == int(np.argmax(verify_logits[i]))
+            if greedy:
+                ok = d == trunk_choices[i]
             else:
                 p = sampler.probs(verify_logits[i])
                 q = draft_probs[i]
@@ -257,13 +338,13 @@ def generate(
                     total = residual.sum()
                     next_token = int(sampler.rng.choice(len(p), p=residual / total)) if total > 0 else sampler.choose(verify_logits[i])
             if not ok:
-                if temperature == 0:
-                    next_token = int(np.argmax(verify_logits[i]))
+                if greedy:
+                    next_token = trunk_choices[i]
                 break
             stats.accepted[i] += 1
             accepted += 1
         if next_token is None:
-            next_token = sampler.choose(verify_logits[accepted])
+            next_token = trunk_choices[accepted] if greedy else sampler.choose(verify_logits[accepted])
 
         # ---- roll back -----------------------------------------------------------------------------------------
         t0 = time.perf_counter()
@@ -293,6 +374,24 @@ def generate(
         head_next = verify_tokens[1:keep] + [next_token]
         pending = next_token
 
+    return _finish(model, out, prompt_tokens, max_tokens, eos, stats, expert_logs)
+
+
+def _queue_plain_pass(model: Model, token: mx.array, trunk_pass, track_experts: bool):
+    """Build one plain decoding pass after `token` [1, 1] and start computing it: (next token [1, 1], the
+    experts each layer chose or None), still on the device."""
+    if track_experts:
+        _start_routing_logs(model)
+    _, logits = trunk_pass(token)
+    logs = _stop_routing_logs(model) if track_experts else None
+    next_token = mx.argmax(logits[:, -1].astype(mx.float32), axis=-1, keepdims=True)
+    mx.async_eval(next_token)
+    return next_token, logs
+
+
+def _finish(model: Model, out: list[int], prompt_tokens: list[int], max_tokens: int, eos, stats: Stats,
+            expert_logs: list) -> Generation:
+    stats.experts_per_pass = [_experts_touched(logs) for logs in expert_logs]
     out = out[:max_tokens]
     if eos is not None and eos in out:
         out = out[: out.index(eos) + 1]

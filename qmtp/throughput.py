@@ -1,15 +1,287 @@
-"""The cost model of a decode step (the part needed so far: how many experts a pass touches).
+"""The cost model of a decode step: bytes read, time, and what speculative decoding can gain.
 
-A verify pass over n tokens in a top-k of E MoE layer reads the union of the experts its tokens chose.
-If each token chose k distinct experts independently and uniformly, an expert is missed by all n tokens
-with probability (1 - k/E)^n, so the expected union is E (1 - (1 - k/E)^n): 8 for one token, about 15.75
-for two at E=256, k=8. Real routing is correlated between neighbouring tokens, so measured unions are
-smaller; the benchmark sets the two side by side.
+Decoding is memory-bound on the machines this model is run on: a pass multiplies each weight it touches by a
+handful of vectors, so its time is the time to read those weights (and the cached state), plus a fixed cost per
+pass that does not depend on the model's width (dispatching kernels, Python, synchronising with the host).
+
+**1. Experts a pass touches.** A verify pass over n tokens in a top-k of E MoE layer reads the union of the
+experts its tokens chose. If each token chose k distinct experts independently and uniformly, an expert is
+missed by all n tokens with probability (1 - k/E)^n, so the expected union is
+
+    U(n) = E (1 - (1 - k/E)^n)                                                        (`expected_union`)
+
+8 for one token, about 15.75 for two at E=256, k=8. Real routing is correlated between neighbouring tokens,
+so measured unions are smaller; `qmtp.bench.mtp` measures them per layer.
+
+**2. Bytes a pass reads** (`trunk_pass_bytes`), from the stored size of every tensor (`qmtp.sizes`):
+every weight of the mixers (attention or gated DeltaNet), the routers, the shared experts, the final norm and
+all of lm_head, once per pass however many tokens it holds (they multiply all n tokens in one matmul); U(n) of
+the E routed experts in each layer; n rows of embed_tokens; the KV cache of each full-attention layer at the
+context length, and each DeltaNet layer's recurrent state S [Hv, Dk, Dv] and conv state (read and written).
+One draft step of the head (`head_step_bytes`) reads the head's own weights with k of its experts, its KV
+cache, one embedding row and, again, all of lm_head.
+
+**3. Time of a pass** (`Machine.seconds`): bytes / bandwidth + overhead. At the real model's widths the first
+term dominates (the memory-bound regime); at the tiny model's widths a pass moves a few megabytes and its time
+is almost all overhead (the dispatch regime). `fit_machine` recovers both numbers from measured pass times.
+
+**4. Speedup.** With per-position acceptance rates a_1, a_2, ... (a draft at position i is proposed only if
+the ones before it were accepted), a step that verifies k = n_draft - 1 drafts emits on average
+
+    tau = 1 + sum_{i=1..k} prod_{j<=i} a_j                                   (`expected_tokens_per_pass`)
+
+tokens and costs one trunk pass over n_draft tokens plus k head steps, against tau plain passes:
+
+    speedup = tau * t_trunk(1) / (t_trunk(n_draft) + k * t_head)                      (`predicted_speedup`)
+
+For a dense model of equal active size the verify pass reads the same weights as a one-token pass (U(n) = k
+for every n), so only the head's cost stands against tau; for the MoE the union of experts grows with n and
+eats most of the gain. That is the whole argument of "MTP is roughly throughput-neutral on an A3B MoE".
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 
+from .config import FULL, LINEAR, ModelConfig
+from .sizes import SizeReport, sizes
+
+GB = 1e9
+
+
+# ---- 1. experts a pass touches --------------------------------------------------------------------------------
 def expected_union(n_experts: int, top_k: int, n_tokens: int) -> float:
     """Expected number of distinct experts n tokens touch under independent uniform top-k routing."""
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
+
+
+# ---- 4. (first) tokens per pass -------------------------------------------------------------------------------
+def expected_tokens_per_pass(rates) -> float:
+    """1 + sum_i prod_{j<=i} a_j: tokens a step emits on average, given per-position acceptance rates a_j."""
+    total, survive = 1.0, 1.0
+    for a in rates:
+        survive *= a
+        total += survive
+    return total
+
+
+def geometric_rates(first: float, second: float, n: int) -> list[float]:
+    """n per-position rates starting first, second and shrinking by the same ratio: a way to extend two
+    reported rates (e.g. 0.78 at n_draft=2 and 0.59 at n_draft=3) to longer drafts."""
+    ratio = second / first
+    return [first * ratio**i for i in range(n)]
+
+
+# ---- 2. bytes a pass reads ------------------------------------------------------------------------------------
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def _union_per_layer(config: ModelConfig, n_tokens: int, union) -> list[float]:
+    """The experts read per MoE layer: `union` as given (a number or one per layer), else the formula."""
+    if union is None:
+        union = expected_union(config.num_experts, config.num_experts_per_tok, n_tokens)
+    if isinstance(union, (int, float)):
+        return [float(union)] * config.num_hidden_layers
+    union = [float(u) for u in union]
+    if len(union) != config.num_hidden_layers:
+        raise ValueError(f"union has {len(union)} entries for {config.num_hidden_layers} layers")
+    return union
+
+
+def state_bytes(config: ModelConfig, context: int, n_tokens: int = 1, cache_bytes: int = 2,
+                recurrent_bytes: int = 4) -> dict[str, float]:
+    """Bytes of cached state a trunk pass reads and writes.
+
+    "KV cache": each full-attention layer reads keys and values of `context` earlier positions and writes those
+    of its `n_tokens` new ones: 2 (K and V) * positions * kv heads * head_dim * cache_bytes.
+    "linear state": each DeltaNet layer reads and writes its recurrent state S [Hv, Dk, Dv] (float32) once
+    per pass (a fused kernel keeps S on chip across the pass's tokens) and its last K-1 conv inputs
+    (cache_bytes each). cache_bytes: 2 for bf16 activations, 4 for float32 (qmtp on the CPU).
+    """
+    kinds = config.layer_types
+    n_full, n_linear = kinds.count(FULL), kinds.count(LINEAR)
+    per_position = 2 * config.num_key_value_heads * config.head_dim * cache_bytes
+    kv = n_full * per_position * (context + n_tokens)
+    S = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * recurrent_bytes
+    conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim * cache_bytes
+    return {"KV cache": float(kv), "linear state": float(n_linear * 2 * (S + conv))}
+
+
+def trunk_pass_bytes(config: ModelConfig, report: SizeReport, n_tokens: int = 1, context: int = 0,
+                     union=None, cache_bytes: int = 2) -> dict[str, float]:
+    """Bytes one trunk pass over `n_tokens` tokens reads, by term (see the module docstring, point 2).
+
+    `union`: experts read per layer (a number, or one per layer, e.g. measured); default: the
+    independent-routing formula U(n_tokens). `context`: positions already in the caches. `cache_bytes`:
+    bytes per cached number (`state_bytes`).
+    """
+    E = config.num_experts
+    experts = _union_per_layer(config, n_tokens, union)
+    out: dict[str, float] = {}
+    for t in report.tensors:
+        if t.is_head:
+            continue
+        if t.category == "routed experts":
+            nbytes = t.nbytes / E * min(experts[_layer_of(t.name)], E)
+        elif t.category == "embeddings":
+            nbytes = t.nbytes / config.vocab_size * n_tokens  # one row per token
+        else:
+            nbytes = t.nbytes
+        out[t.category] = out.get(t.category, 0.0) + nbytes
+    out.update(state_bytes(config, context, n_tokens, cache_bytes))
+    return out
+
+
+def total(breakdown: dict[str, float]) -> float:
+    """The bytes of a breakdown, all terms together."""
+    return math.fsum(breakdown.values())
+
+
+def head_step_bytes(config: ModelConfig, report: SizeReport, context: int = 0, cache_bytes: int = 2) -> dict[str, float]:
+    """Bytes one draft step of the MTP head reads: its own weights with k of its E experts, its KV cache at
+    `context` positions, one embedding row, and the trunk's lm_head (shared) to score the draft."""
+    E, k = config.num_experts, config.num_experts_per_tok
+    out: dict[str, float] = {}
+    for t in report.tensors:
+        if t.is_head:
+            nbytes = t.nbytes / E * k if t.category == "routed experts" else t.nbytes
+        elif t.category == "embeddings":
+            nbytes = t.nbytes / config.vocab_size
+        elif t.category == "lm_head":
+            nbytes = t.nbytes
+        else:
+            continue
+        out[t.category] = out.get(t.category, 0.0) + nbytes
+    out["KV cache"] = float(2 * config.num_key_value_heads * config.head_dim * cache_bytes * (context + 1))
+    return out
+
+
+def sizes_of(model) -> SizeReport:
+    """The bytes every weight of a loaded `qmtp.Model` occupies in memory (what a pass really reads: float32
+    on the CPU, or codes + scales + biases when quantized), as a report shaped like `qmtp.sizes.sizes`."""
+    from mlx.utils import tree_flatten
+
+    from .sizes import CATEGORIES, TensorSize, category
+
+    parts: dict[str, dict] = {}
+    for name, w in tree_flatten(model.parameters()):
+        base, _, leaf = name.rpartition(".")
+        key = f"{base}.weight" if leaf in ("scales", "biases") else name
+        parts.setdefault(key, {})[leaf] = w
+    tensors = []
+    for name, arrays in parts.items():
+        weight = arrays.get("weight", next(iter(arrays.values())))
+        shape = tuple(weight.shape)
+        tensors.append(TensorSize(name, shape, category(name, shape), None, None, sum(a.nbytes for a in arrays.values())))
+    trunk = {c: 0 for c in CATEGORIES}
+    head = {c: 0 for c in CATEGORIES}
+    for t in tensors:
+        (head if t.is_head else trunk)[t.category] += t.nbytes
+    trunk_bytes, head_bytes = sum(trunk.values()), sum(head.values())
+    return SizeReport(trunk_bytes, head_bytes, trunk_bytes + head_bytes, trunk, head, tensors, {"source": "model in memory"})
+
+
+# ---- 3. time of a pass ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """What a pass costs: bytes / bandwidth + a fixed overhead (per trunk pass, and per head step)."""
+
+    bandwidth: float  # bytes per second
+    overhead: float = 0.0  # seconds per trunk pass that do not depend on bytes
+    head_overhead: float = 0.0  # the same for one head draft step
+
+    def seconds(self, nbytes: float, head: bool = False) -> float:
+        return nbytes / self.bandwidth + (self.head_overhead if head else self.overhead)
+
+
+def fit_machine(trunk_bytes, trunk_seconds, head_bytes=None, head_seconds=None) -> Machine:
+    """Least-squares fit of t = overhead + bytes / bandwidth to measured trunk passes (at least two sizes of
+    pass, e.g. verify passes over 1..5 tokens); the head's overhead is then its mean time left over.
+
+    At the tiny model's widths the fitted "bandwidth" is not the memory's: it is the rate at which the
+    extra work of a longer pass (more tokens, more experts) costs time, most of it dispatching more kernels.
+    """
+    n = len(trunk_bytes)
+    if n < 2 or len(trunk_seconds) != n:
+        raise ValueError("fit_machine needs at least two (bytes, seconds) pairs of trunk passes")
+    mb, ms = sum(trunk_bytes) / n, sum(trunk_seconds) / n
+    sxx = sum((b - mb) ** 2 for b in trunk_bytes)
+    sxy = sum((b - mb) * (s - ms) for b, s in zip(trunk_bytes, trunk_seconds))
+    if sxx == 0 or sxy <= 0:
+        raise ValueError("pass times do not grow with bytes: the fit has no bandwidth to find")
+    per_byte = sxy / sxx
+    overhead = max(0.0, ms - per_byte * mb)
+    head_overhead = 0.0
+    if head_bytes:
+        left = [s - b * per_byte for b, s in zip(head_bytes, head_seconds)]
+        head_overhead = max(0.0, sum(left) / len(left))
+    return Machine(bandwidth=1.0 / per_byte, overhead=overhead, head_overhead=head_overhead)
+
+
+# ---- 4. speedup -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    n_draft: int
+    tokens_per_pass: float  # tau
+    trunk_bytes: float  # one verify pass over n_draft tokens
+    head_bytes: float  # all n_draft - 1 head steps of one step
+    step_seconds: float  # one trunk pass + its head steps
+    plain_seconds: float  # one plain decoding pass
+    tokens_per_second: float
+    speedup: float  # over plain decoding on the same machine
+
+
+def predicted_speedup(config: ModelConfig, report: SizeReport, rates, n_draft: int, machine: Machine,
+                      context: int = 0, union=None, dense: bool = False, cache_bytes: int = 2) -> Prediction:
+    """Speculative decoding at `n_draft` against plain decoding (module docstring, point 4).
+
+    rates: per-position acceptance rates (at least n_draft - 1 of them). union: experts per layer for the
+    verify pass (number or per-layer list); default the independent-routing formula. dense=True: a dense
+    model of the same active size, whose verify pass reads the experts of one token (U = k) at any n_draft.
+    """
+    k = n_draft - 1
+    rates = list(rates)
+    if len(rates) < k:
+        raise ValueError(f"n_draft={n_draft} needs {k} acceptance rates, got {len(rates)}")
+    tau = expected_tokens_per_pass(rates[:k])
+    one_token = config.num_experts_per_tok
+    plain = total(trunk_pass_bytes(config, report, 1, context, one_token, cache_bytes))
+    trunk = total(trunk_pass_bytes(config, report, n_draft, context, one_token if dense else union, cache_bytes))
+    head = k * total(head_step_bytes(config, report, context, cache_bytes))
+    t_plain = machine.seconds(plain)
+    t_step = machine.seconds(trunk) + (k * machine.seconds(head / k, head=True) if k else 0.0)
+    return Prediction(n_draft, tau, trunk, head, t_step, t_plain, tau / t_step, tau * t_plain / t_step)
+
+
+def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_drafts=range(1, 6),
+                     context: int = 4096, overhead: float = 0.0, mtp_bits="same",
+                     config: ModelConfig | None = None) -> list[dict]:
+    """Predicted tokens/s and speedup vs n_draft for Qwen3.6-35B-A3B (MoE) and a dense model of equal active
+    size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s.
+
+    rates: per-position acceptance; default 0.78 and 0.59 (the reported rates at n_draft 2 and 3, read as the
+    first two positions) shrinking geometrically after. mtp_bits: "same" (the head at the trunk's width), None
+    (bf16) or a width. overhead: seconds per trunk pass and per head step beyond reading bytes.
+    """
+    from .config import QWEN36_35B_A3B
+
+    config = config or QWEN36_35B_A3B
+    n_drafts = list(n_drafts)
+    rates = list(rates) if rates is not None else geometric_rates(0.78, 0.59, max(n_drafts) - 1)
+    machine = Machine(bandwidth, overhead, overhead)
+    rows = []
+    for b in bits:
+        report = sizes(config, b, mtp_bits=b if mtp_bits == "same" else mtp_bits)
+        for n in n_drafts:
+            for model, dense in (("MoE", False), ("dense, same active size", True)):
+                p = predicted_speedup(config, report, rates, n, machine, context, dense=dense)
+                rows.append({
+                    "bits": b, "model": model, "n_draft": n, "tokens_per_pass": p.tokens_per_pass,
+                    "trunk_GB": p.trunk_bytes / GB, "head_GB": p.head_bytes / GB,
+                    "step_ms": p.step_seconds * 1e3, "tokens_per_second": p.tokens_per_second,
+                    "speedup": p.speedup,
+                })
+    return rows

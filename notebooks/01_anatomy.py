@@ -1,0 +1,101 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. Anatomy of the checkpoint
+#
+# A checkpoint is a set of safetensors files: each starts with a JSON header that names every tensor,
+# its dtype, its shape and where its bytes lie. Everything in this chapter is read from those headers
+# alone, so it runs the same on the bundled tiny model and on the 70 GB release
+# (`QMTP_MODEL=/path/to/Qwen3.6-35B-A3B`).
+
+# %%
+import qmtp
+from IPython.display import Markdown
+from myst_nb import glue
+from qmtp import inventory, plots, sizes
+from qmtp.claims import CLAIMS
+
+path = inventory.model_path()
+print(inventory.describe(path))
+
+# %% [markdown]
+# ## What is stored, by part and by kind
+#
+# Listing reads only the headers: `qmtp.Checkpoint(path)` parses each file's JSON and keeps, for every
+# tensor, the file, offset and byte count. The table groups the tensors the way the model uses them;
+# the MTP head is counted apart from the trunk.
+
+# %%
+rows = inventory.by_category(path)
+for row in rows:
+    row["size"] = inventory.human_bytes(row["bytes"])
+    row["params"] = inventory.human_count(row["parameters"])
+Markdown(inventory.markdown_table(rows, ["part", "category", "tensors", "params", "size"]))
+
+# %%
+config = qmtp.ModelConfig.from_file(path)
+counts = sizes.parameter_counts(config)
+glue("active_share", 100 * counts["active"] / counts["total"], display=False)
+glue("head_share", 100 * counts["head"] / counts["total"], display=False)
+Markdown(inventory.markdown_table(
+    [{"what": k, "parameters": inventory.human_count(v)} for k, v in counts.items()], ["what", "parameters"]))
+
+# %% [markdown]
+# Of all parameters, {glue:text}`active_share:.1f`% take part in one token's forward pass (the "A" in
+# A3B: top-k routed experts, the shared expert, attention, one embedding row and lm_head), and the MTP
+# head holds {glue:text}`head_share:.1f`% of the total: a full decoder layer with its own router and all
+# its routed experts.
+#
+# ## The layer pattern
+#
+# Three gated-DeltaNet (linear attention) layers, then one gated full-attention layer, repeated; every
+# layer is a sparse MoE; the MTP head is one more full-attention layer.
+
+# %%
+fig = plots.layer_pattern(config)
+
+# %% [markdown]
+# ## The real model, from its config alone
+#
+# `qmtp.QWEN36_35B_A3B` holds the released config. The same arithmetic gives the real model's
+# parameter counts and the size of each conversion: trunk quantized to 4, 6 or 8 bits (router and
+# shared-expert gates at 8), head kept in bf16 or quantized too.
+
+# %%
+real = qmtp.QWEN36_35B_A3B
+real_counts = sizes.parameter_counts(real)
+claimed = CLAIMS["variant_sizes_gb"].value
+variant_rows = []
+for bits in (4, 6, 8):
+    report = sizes.sizes(real, bits=bits)
+    variant_rows.append({"trunk bits": bits, "trunk GB": report.trunk_bytes / 1e9, "head GB (bf16)": report.head_bytes / 1e9,
+                         "total GB": report.total_bytes / 1e9, "seed's table GB": claimed[bits]})
+Markdown(inventory.markdown_table(variant_rows, list(variant_rows[0]),
+                                  {"trunk GB": "{:.1f}", "head GB (bf16)": "{:.2f}", "total GB": "{:.1f}"}))
+
+# %%
+head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9 for w in (None, 8, 6, 4)}
+glue("real_total", real_counts["total"] / 1e9, display=False)
+glue("real_active", real_counts["active"] / 1e9, display=False)
+glue("head_bf16_gb", head_sizes[None], display=False)
+glue("head_8_gb", head_sizes[8], display=False)
+glue("head_4_gb", head_sizes[4], display=False)
+glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
+
+# %% [markdown]
+# The real model has {glue:text}`real_total:.1f` B parameters, {glue:text}`real_active:.2f` B of them
+# active per token. The trunk sizes agree with the seed's table. The head does not: kept in bf16, as
+# this book recommends, it weighs {glue:text}`head_bf16_gb:.2f` GB, not the
+# {glue:text}`claimed_head_gb` GB the seed's card states; that figure matches a 4-bit head
+# ({glue:text}`head_4_gb:.2f` GB), and an 8-bit head weighs {glue:text}`head_8_gb:.2f` GB.

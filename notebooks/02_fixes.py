@@ -1,0 +1,121 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Why the output is incoherent without the fixes
+#
+# Qwen3-Next-family checkpoints need two changes on their way into MLX. The zero-centred RMSNorm
+# weights are stored as `w` and applied as `1 + w`; the depthwise convolution of the linear-attention
+# layers is stored in PyTorch's layout `[C, 1, K]` while MLX's `conv1d` wants `[C, K, 1]`.
+# `qmtp.load(path, fixes=...)` applies either, both or neither; this chapter loads the model each way.
+
+# %%
+import warnings
+
+import matplotlib.pyplot as plt
+import qmtp
+from IPython.display import Markdown
+from myst_nb import glue
+from qmtp import evaluate, inventory, mistakes
+
+warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
+path = inventory.model_path()
+print(inventory.describe(path))
+texts = [t for docs in evaluate.heldout_by_register(8).values() for t in docs]
+prompt = "Once upon a time, a little fox named"
+
+# %% [markdown]
+# ## Each fix alone, both, neither
+#
+# Held-out accuracy and perplexity are measured on documents of the generated corpus that the model
+# never saw in training; the continuation is greedy.
+
+# %%
+variants = {"neither fix": (), "conv fix only": ("conv",), "norm fix only": ("norm",), "both fixes": ("norm", "conv")}
+rows = []
+for label, fixes in variants.items():
+    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f), texts, prompt)
+    rows.append({"load": label, **result})
+
+
+def show(row):
+    if not row["runs"]:
+        return {"accuracy": "-", "perplexity": "-", "what happens": f"MLX refuses: `{row['error'][:90]}`"}
+    return {"accuracy": f"{row['accuracy']:.3f}", "perplexity": f"{row['perplexity']:.1f}",
+            "what happens": repr(row["continuation"])[:90]}
+
+
+Markdown(inventory.markdown_table([{"load": r["load"], **show(r)} for r in rows],
+                                  ["load", "accuracy", "perplexity", "what happens"]))
+
+# %%
+by_label = {r["load"]: r for r in rows}
+glue("acc_both", by_label["both fixes"]["accuracy"], display=False)
+glue("acc_no_norm", by_label["conv fix only"]["accuracy"], display=False)
+glue("ppl_both", by_label["both fixes"]["perplexity"], display=False)
+glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
+
+# %% [markdown]
+# Without the norm fix the model still runs, and that is the dangerous case: next-token accuracy falls
+# from {glue:text}`acc_both:.3f` to {glue:text}`acc_no_norm:.3f` and perplexity rises from
+# {glue:text}`ppl_both:.1f` to {glue:text}`ppl_no_norm:.1f`, with no error anywhere. Without the conv
+# fix MLX refuses the kernel outright: the stored `[C, 1, K]` reads as a kernel of width 1 over `K`
+# input channels per group.
+#
+# ## The norm weights, stored and effective
+#
+# The stored weights sit around zero; what the model multiplies by sits around one. Applied as stored,
+# every normalised activation is scaled nearly to nothing.
+
+# %%
+weights = mistakes.norm_weights(path)
+fig, axes = plt.subplots(1, 2, figsize=(8, 2.8), sharey=True)
+axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
+axes[0].set_title("stored w")
+axes[1].hist(weights["effective"], bins=60, color="#F58518")
+axes[1].set_title("effective 1 + w")
+axes[0].set_ylabel("weights")
+fig.tight_layout()
+
+# %% [markdown]
+# ## The +1 applied twice
+#
+# A converter that cannot tell whether the shift was already applied, run on an MLX checkpoint, adds
+# it again. qmtp records the fixes it applied in the file it writes and never applies one twice; here
+# is what a second shift would do.
+
+# %%
+shift_rows = []
+for label in mistakes.NORM_SHIFTS:
+    result = mistakes.outcome(lambda s=label: mistakes.with_norm_shift(path, s), texts, prompt)
+    shift_rows.append({"norm weights": label, **show(result)})
+Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perplexity", "what happens"]))
+
+# %% [markdown]
+# ## Which conv mistakes fail loudly, and which silently
+#
+# Realistic ways to move the kernel into MLX's layout, each run the same way. A shape MLX cannot use is
+# refused at the first forward pass; a shape it accepts with the taps in the wrong places runs and
+# writes nonsense.
+
+# %%
+conv_rows = []
+for label in mistakes.CONV_MISTAKES:
+    result = mistakes.outcome(lambda m=label: mistakes.with_conv_mistake(path, m), texts, prompt)
+    conv_rows.append({"conversion": label, **show(result), "loud": "loud" if not result["runs"] else "silent or fine"})
+Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]))
+
+# %% [markdown]
+# The reshape gives exactly the correct kernel, because the axis it moves has length one; the two
+# layouts that MLX cannot use are refused; reversing the taps, or reading channels and taps in the wrong
+# order, runs without complaint and degrades the text: those are the mistakes to test for.

@@ -1,0 +1,133 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 3. Converting to one file
+#
+# `qmtp.convert` (or `python -m qmtp convert SRC DST`) turns a released checkpoint into one
+# `model.safetensors` that holds trunk and MTP head, with the fixes applied once and recorded, the trunk
+# quantized and the head kept in bf16. It streams: one tensor group at a time is read, fixed,
+# quantized and written, into a temporary folder that is renamed into place only when it is complete.
+
+# %%
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+import qmtp
+from IPython.display import Markdown
+from myst_nb import glue
+from qmtp import evaluate, inventory
+from qmtp.convert import convert
+
+path = inventory.model_path()
+print(inventory.describe(path))
+workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter3-"))
+
+# %%
+result = convert(path, workdir / "q8", bits=8, progress=False)
+print(result)
+
+# %% [markdown]
+# ## What moves where
+#
+# The released names (`model.language_model.*`, fused `gate_up_proj`) become mlx-lm's names
+# (`language_model.model.*`, experts stacked per projection as `switch_mlp`); the head keeps its `mtp.`
+# prefix and gets its routed experts stacked the same way. A quantized weight becomes three tensors: the
+# packed codes, one scale and one bias per group.
+
+# %%
+source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(workdir / "q8")
+
+
+def listing(ckpt, prefix):
+    return [{"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))} for n, i in sorted(ckpt.infos.items())
+            if n.startswith(prefix)]
+
+
+Markdown("**Layer 0's experts, as released**\n\n" + inventory.markdown_table(listing(source, "model.language_model.layers.0.mlp.experts"), ["tensor", "dtype", "shape"])
+         + "\n\n**Layer 0's experts, converted**\n\n" + inventory.markdown_table(listing(converted, "language_model.model.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"])
+         + "\n\n**The head's experts, converted (bf16)**\n\n" + inventory.markdown_table(listing(converted, "mtp.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"]))
+
+# %% [markdown]
+# ## The metadata
+#
+# The file records what it is: the format, the fixes now in its weights (so no loader applies them
+# again), the width of every tensor and a digest of the source it came from.
+
+# %%
+meta = converted.metadata
+widths = json.loads(meta["qmtp.quantization"])
+summary = {k: v for k, v in meta.items() if k != "qmtp.quantization"}
+examples = dict([next((k, v) for k, v in widths.items() if v["bits"]), next((k, v) for k, v in widths.items() if not v["bits"])])
+summary["qmtp.quantization"] = f"{len(widths)} entries, e.g. " + json.dumps(examples)
+Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"]))
+
+# %%
+try:
+    convert(workdir / "q8", workdir / "again", bits=8, progress=False)
+except qmtp.QmtpError as err:
+    print("refused:", err)
+
+# %% [markdown]
+# Converting the converted folder again is refused: it would shift the norms a second time.
+#
+# ## Nothing lost
+#
+# The converted model against the source: the unquantized tensors (norms, conv kernels) must be equal
+# after the fixes, the head complete, and the logits close (8-bit trunk).
+
+# %%
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    original, roundtrip = qmtp.load(path), qmtp.load(workdir / "q8")
+texts = [t for docs in evaluate.heldout_by_register(3).values() for t in docs]
+close = evaluate.logit_agreement(roundtrip, original, texts)
+norms_equal = all(
+    (roundtrip.layers[i].input_layernorm.weight == original.layers[i].input_layernorm.weight).all().item()
+    for i in range(len(original.layers))
+)
+head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
+glue("q8_top1", close["top1_agreement"], display=False)
+glue("q8_relerr", close["max_relative_error"], display=False)
+print(f"norms identical: {norms_equal}; head complete: {head_complete}; {close}")
+assert norms_equal and head_complete
+
+# %% [markdown]
+# The 8-bit model picks the same next token as the bf16 source on {glue:text}`q8_top1:.3f` of the
+# positions (largest relative logit difference {glue:text}`q8_relerr:.3f`).
+#
+# ## mlx-lm reads the same file, and drops the head
+#
+# mlx-lm's loader opens the converted folder: it sees the conv kernels already in MLX's layout, so it does
+# not shift the norms again, and its `sanitize` discards every `mtp.*` tensor.
+
+# %%
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import load_model
+
+reference, _ = load_model(workdir / "q8")
+# MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must too
+reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p, reference.parameters()))
+names = [n for n, _ in tree_flatten(reference.parameters())]
+same = evaluate.logit_agreement(roundtrip, reference, texts)
+glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
+glue("mlxlm_relerr", same["max_relative_error"], display=False)
+print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}; agreement with qmtp: {same}")
+
+# %% [markdown]
+# mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from
+# qmtp's on the same file by at most {glue:text}`mlxlm_relerr:.1e` relative: the same trunk, without the
+# head that drafts.

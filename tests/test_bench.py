@@ -1,0 +1,73 @@
+"""`python -m qmtp bench decode|mtp` on a small synthetic model: tables printed, JSON written and sensible."""
+
+import json
+
+import pytest
+
+from qmtp import bench, synthetic
+from qmtp.cli import main
+from qmtp.config import QWEN36_35B_A3B
+from qmtp.sizes import sizes
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4)
+    return synthetic.write_checkpoint(tmp_path_factory.mktemp("bench"), config, dtype="BF16", seed=2)
+
+
+def test_bench_decode_compares_with_mlx_lm(checkpoint, tmp_path, capsys):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", str(checkpoint), "--max-tokens", "8", "--repeats", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "qmtp/mlx-lm" in printed and "same greedy tokens: yes" in printed
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] and report["mismatched_prompts"] == []
+    assert set(report["engines"]) == {"qmtp", "mlx-lm"}
+    for engine in report["engines"].values():
+        assert len(engine["rounds"]) == 2
+        assert engine["tokens_per_second_min"] <= engine["tokens_per_second"] <= engine["tokens_per_second_max"]
+    assert report["ratio_min"] <= report["ratio"] <= report["ratio_max"]
+    assert report["dtype"] == "float32"  # bf16 weights computed in float32 on the CPU, by both engines
+
+
+def test_bench_mtp_reports_unions_per_layer_and_a_cost_model(checkpoint, tmp_path, capsys):
+    out = tmp_path / "mtp.json"
+    args = ["bench", "mtp", str(checkpoint), "--max-tokens", "12", "--repeats", "1", "--n-draft-max", "3",
+            "--prompts-per-register", "1", "--json", str(out)]
+    assert main(args) == 0
+    assert "experts per layer, measured" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    E, k, layers = 16, 4, 4
+    assert [r["n_draft"] for r in report["results"]] == [1, 2, 3]
+    for r in report["results"]:
+        n = r["n_draft"]
+        assert r["tokens_in_verify_pass"] == n
+        assert len(r["experts_per_layer_measured"]) == layers
+        assert all(k <= e <= min(E, n * k) for e in r["experts_per_layer_measured"])
+        assert r["experts_per_layer_independent"] == pytest.approx(E * (1 - (1 - k / E) ** n))
+        assert len(r["acceptance_per_position"]) == n - 1
+        assert r["trunk_bytes_per_pass"] > 0 and r["trunk_seconds_per_pass"] > 0
+    assert report["results"][0]["experts_per_layer_measured"] == [k] * layers  # one token: exactly k
+    assert report["results"][0]["speedup_vs_plain"] == 1.0
+    cost = report["cost_model"]
+    if cost is not None:  # None when noise makes pass times not grow with bytes
+        assert cost["bandwidth"] > 0 and cost["overhead"] >= 0
+        assert [p["n_draft"] for p in cost["predictions"]] == [1, 2, 3]
+        assert cost["predictions"][0]["predicted_speedup"] == pytest.approx(1.0)
+
+
+def test_bench_decode_refuses_model_and_scaled_together(checkpoint, tmp_path, capsys):
+    assert main(["bench", "decode", str(checkpoint), "--scaled", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_the_scaled_model_has_the_real_layer_widths_and_fits():
+    config = QWEN36_35B_A3B.replace(**bench.SCALED_REAL_WIDTHS)
+    for field in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
+                  "head_dim", "num_attention_heads", "num_key_value_heads", "linear_num_value_heads", "vocab_size"):
+        assert getattr(config, field) == getattr(QWEN36_35B_A3B, field)
+    assert config.layer_types.count("full_attention") >= 1 and config.layer_types.count("linear_attention") >= 1
+    assert sizes(config, bench.SCALED_BITS).total_bytes < 2e9
+    assert sizes(config, 16, mtp_bits=None, router_bits=16).total_bytes < 6e9  # the bf16 source
