@@ -217,7 +217,7 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
     ax.set_xticks(sorted({r["n_draft"] for r in rows}))
     ax.set_xlabel("n_draft")
     ax.set_ylabel("speedup over plain decoding")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -242,7 +242,7 @@ def measured_vs_predicted(report: dict):
     ax.set_xticks(ns)
     ax.set_xlabel("n_draft")
     ax.set_ylabel("speedup over plain decoding")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
