@@ -275,11 +275,16 @@ def _require_mlx_lm() -> None:
 
 def chat(args) -> int:
     from .model import load
-    from .speculative import generate
+    from .speculative import MAX_N_DRAFT, generate
 
+    # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
+    if not 1 <= args.n_draft <= MAX_N_DRAFT:
+        raise UsageError(f"--n-draft {args.n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
+    if args.use_mtp and args.n_draft < 2:
+        raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("the prompt is empty: give at least one token of text")
     n_draft = args.n_draft if args.use_mtp else 1
-    if args.use_mtp and n_draft < 2:
-        raise UsageError(f"--n-draft {n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
     model = load(args.model)
     if args.use_mtp:
         model.require_head()

@@ -381,7 +381,7 @@ FLAG_CASES = {  # name -> (chat flags, fragments of the error line)
     "prompt + new tokens past the context": (["--max-tokens", "5000"], ["new ones is", "more than the context of 4096",
                                                                         "ask for at most"]),
     "n_draft above the range": (["--use-mtp", "--n-draft", "9"],
-                                ["n_draft=9 is out of range", "1 (plain decoding) to 8"]),
+                                ["--n-draft 9 is out of range", "1 (plain decoding) to 8"]),
     "n_draft 1 with --use-mtp": (["--use-mtp", "--n-draft", "1"], ["--n-draft 1 with --use-mtp", "2 or more"]),
     "n_draft negative": (["--use-mtp", "--n-draft", "-3"], ["--n-draft -3"]),
     "n_draft not a number": (["--n-draft", "two"], ["--n-draft", "invalid int value: 'two'"]),
@@ -412,15 +412,13 @@ def test_chat_on_a_missing_directory(tmp_path):
     print(one_line_error(chat(tmp_path / "absent"), tmp_path / "absent", "no such model directory"))
 
 
-@pytest.mark.xfail(strict=True, reason="cli.chat ignores --n-draft without --use-mtp, even out of range: "
-                                       "it should check the range whatever --use-mtp says")
 def test_n_draft_out_of_range_without_use_mtp(good):
+    """The range is checked whatever --use-mtp says."""
     one_line_error(chat(good, "--n-draft", "0"), "--n-draft")
 
 
-@pytest.mark.xfail(strict=True, reason="cli.chat loads the model (and warns) before it checks the prompt and "
-                                       "flags: on the real model a minute, then a warning line and the error")
 def test_error_after_a_warning_is_still_one_line(crippled):
+    """chat checks the prompt and flags before loading (on the real model a minute, and warnings)."""
     one_line_error(chat(crippled, prompt=""), "the prompt is empty")
 
 
