@@ -207,9 +207,10 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # %% [markdown]
 # A plain pass of the tiny model reads {glue:text}`tiny_mb_pass:.1f` MB in {glue:text}`tiny_pass_ms:.1f` ms;
 # a verify pass over two tokens takes {glue:text}`tiny_verify2_ms:.1f` ms. The fit puts
-# {glue:text}`tiny_overhead_ms:.1f` ms of every pass in the fixed overhead and prices the rest at an effective
+# {glue:text}`tiny_overhead_ms:.1f` ms of every pass in a fixed overhead and prices the rest at an effective
 # {glue:text}`tiny_bandwidth:.2f` GB/s: not the memory's bandwidth, but the rate at which a longer pass's
-# extra work (more experts, more operations to dispatch) costs time. Plain decoding queues each pass before
+# extra work costs time, most of it more operations to dispatch (one more step of every DeltaNet
+# recurrence, one more query in every attention layer, more experts to gather). Plain decoding queues each pass before
 # reading the previous token, so its passes can overlap (measured, they take {glue:text}`tiny_overlap:.2f`
 # of what the fitted line gives for them); a speculative step has to read its drafts and the trunk's
 # verdict before it can go on. The model predicts {glue:text}`tiny_pred_n2:.2f`x at `n_draft=2`,

@@ -199,7 +199,8 @@ class Machine:
 
 def fit_machine(trunk_bytes, trunk_seconds, head_bytes=None, head_seconds=None) -> Machine:
     """Least-squares fit of t = overhead + bytes / bandwidth to measured trunk passes (at least two sizes of
-    pass, e.g. verify passes over 1..5 tokens); the head's overhead is then its mean time left over.
+    pass, e.g. verify passes over 2..5 tokens), with overhead >= 0; the head's overhead is then its mean time
+    left over (>= 0).
 
     At the tiny model's widths the fitted "bandwidth" is not the memory's: it is the rate at which the
     extra work of a longer pass (more tokens, more experts) costs time, most of it dispatching more kernels.
@@ -213,7 +214,10 @@ def fit_machine(trunk_bytes, trunk_seconds, head_bytes=None, head_seconds=None) 
     if sxx == 0 or sxy <= 0:
         raise ValueError("pass times do not grow with bytes: the fit has no bandwidth to find")
     per_byte = sxy / sxx
-    overhead = max(0.0, ms - per_byte * mb)
+    overhead = ms - per_byte * mb
+    if overhead < 0:  # no overhead is the least a pass can have: fit the line through the origin instead
+        per_byte = sum(b * s for b, s in zip(trunk_bytes, trunk_seconds)) / sum(b * b for b in trunk_bytes)
+        overhead = 0.0
     head_overhead = 0.0
     if head_bytes:
         left = [s - b * per_byte for b, s in zip(head_bytes, head_seconds)]

@@ -199,6 +199,14 @@ def test_fit_recovers_a_known_machine():
     assert fitted.head_overhead == pytest.approx(truth.head_overhead)
 
 
+def test_fit_never_finds_a_negative_overhead():
+    bytes_, seconds = [1e6, 2e6, 3e6], [0.5e-3, 1.9e-3, 3.1e-3]  # the unconstrained line crosses below zero
+    fitted = fit_machine(bytes_, seconds)
+    assert fitted.overhead == 0
+    per_byte = sum(b * s for b, s in zip(bytes_, seconds)) / sum(b * b for b in bytes_)
+    assert fitted.bandwidth == pytest.approx(1 / per_byte)
+
+
 def test_fit_needs_times_that_grow_with_bytes():
     with pytest.raises(ValueError):
         fit_machine([1e6], [1e-3])
