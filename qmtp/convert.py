@@ -267,7 +267,7 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
         for f in _tokenizer_files(src):
             shutil.copyfile(f, tmp / f.name)
-        _replace(tmp, dst)
+        replace_directory(tmp, dst)
     except OSError as err:  # disk full, permissions: nothing that looks complete stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise QmtpError(f"{dst}: writing the conversion failed ({err.strerror or err}); nothing was left behind") from None
@@ -323,7 +323,7 @@ def _check_disk_space(dst: Path, needed: int) -> None:
                         f"free some space or choose another destination")
 
 
-def _replace(tmp: Path, dst: Path) -> None:
+def replace_directory(tmp: Path, dst: Path) -> None:
     """Move the finished temporary directory into place; an old `dst` is removed only after that.
 
     A run killed between the two renames, or while removing the old directory, leaves `.DST.qmtp-old`

@@ -8,7 +8,6 @@ in bfloat16, keys under `model.language_model.` and `mtp.`, experts fused as `ga
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from . import fixes as fixes_mod
 from .checkpoint import write_safetensors
+from .convert import replace_directory
 from .layout import stored_entries
 from .model import Model
 
@@ -62,12 +62,5 @@ def export_released(model: Model, dest: str | Path, training_dir: str | Path | N
         curve = Path(training_dir) / "loss_curve.json"
         if curve.exists():
             shutil.copy2(curve, tmp / "loss_curve.json")
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, dest)
+    replace_directory(tmp, dest)
     return dest

@@ -15,6 +15,7 @@ import pytest
 
 import mlx.core as mx
 
+from helpers import expect
 import qmtp
 from qmtp import layout, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
@@ -50,17 +51,6 @@ def bf16(values: np.ndarray) -> np.ndarray:
 def listing(ckpt: Checkpoint) -> dict:
     return {name: (info.dtype, info.shape) for name, info in ckpt.infos.items()}
 
-
-def expect(error_type, fn, *fragments) -> str:
-    """`fn()` raises `error_type` (or a subclass) with a one-line message containing every fragment."""
-    with pytest.raises(QmtpError) as info:
-        fn()
-    assert isinstance(info.value, error_type), f"{type(info.value).__name__}: {info.value}"
-    message = str(info.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert str(fragment) in message, f"{fragment!r} not in: {message}"
-    return message
 
 
 # ---- editing safetensors files in place --------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from helpers import expect, one_line_error
 import qmtp
 from qmtp import cli, layout, synthetic
 from qmtp import convert as convert_mod
@@ -47,17 +48,6 @@ def write(path, dtype="F32", **kwargs):
 def quiet_convert(src, dst, **kwargs):
     return convert(src, dst, progress=False, **kwargs)
 
-
-def expect(error_type, fn, *fragments) -> str:
-    """`fn()` raises `error_type` with a one-line message containing every fragment."""
-    with pytest.raises(QmtpError) as info:
-        fn()
-    assert isinstance(info.value, error_type), f"{type(info.value).__name__}: {info.value}"
-    message = str(info.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert str(fragment) in message, f"{fragment!r} not in: {message}"
-    return message
 
 
 def header_bytes(directory: Path) -> dict[str, int]:
@@ -550,12 +540,6 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     out, err = capsys.readouterr()
     return status, out, err
 
-
-def one_line_error(err: str, *fragments):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("qmtp: error:"), err
-    for fragment in fragments:
-        assert str(fragment) in lines[0], lines[0]
 
 
 def test_cli_convert(source, tmp_path, capsys):

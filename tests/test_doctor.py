@@ -6,6 +6,7 @@ import pytest
 from qmtp import cli, quant, synthetic
 from qmtp.checkpoint import Checkpoint, read_header, write_safetensors
 from qmtp.convert import convert
+from helpers import one_line_error
 
 CONFIG = synthetic.small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
@@ -19,12 +20,6 @@ def run(capsys, *argv):
     out, err = capsys.readouterr()
     return status, out, err
 
-
-def one_line_error(err: str, *fragments):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("qmtp: error:"), err
-    for fragment in fragments:
-        assert str(fragment) in lines[0], lines[0]
 
 
 def drop(file, name):
