@@ -12,6 +12,7 @@ a truncated download fails with the file's name rather than deep inside a librar
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -156,23 +157,30 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
 
 
 def read_tensor(info: TensorInfo):
-    """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype."""
+    """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype.
+
+    The file is mapped rather than read into a buffer: MLX copies straight from the page cache, once.
+    """
     import mlx.core as mx
 
     np_dtype, mx_name, _ = DTYPES[info.dtype]
     try:
         with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            buf = f.read(info.nbytes)
+            size = os.fstat(f.fileno()).st_size
+            if info.offset + info.nbytes > size:
+                raise CheckpointError(
+                    f"{info.file}: tensor {info.name!r} is cut short ({max(0, size - info.offset)} of {info.nbytes} "
+                    f"bytes); the file was truncated after its header was read"
+                )
+            if info.nbytes == 0:
+                out = mx.array(np.zeros(info.shape, dtype=np_dtype))
+            else:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset)
+                    out = mx.array(view.reshape(info.shape))  # a copy: the mapping can close
+                    del view
     except OSError as err:
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({err})") from None
-    if len(buf) != info.nbytes:
-        raise CheckpointError(
-            f"{info.file}: tensor {info.name!r} is cut short ({len(buf)} of {info.nbytes} bytes); "
-            f"the file was truncated after its header was read"
-        )
-    array = np.frombuffer(buf, dtype=np_dtype).reshape(info.shape)
-    out = mx.array(array)
     if mx_name == "bfloat16":
         out = out.view(mx.bfloat16)
     return out
@@ -269,13 +277,18 @@ class Checkpoint:
 MX_TO_SAFETENSORS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint32": "U32", "int32": "I32", "uint8": "U8"}
 
 
-def tensor_bytes(array) -> bytes:
-    """The raw little-endian bytes of an MLX array (bfloat16 through its uint16 view)."""
+def tensor_bytes(array) -> memoryview:
+    """The raw little-endian bytes of an evaluated MLX array, as a view of its memory (no copy); bfloat16
+    through its uint16 view. The view keeps the array alive."""
     import mlx.core as mx
 
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
-    return np.asarray(array).tobytes()
+    mx.eval(array)
+    view = memoryview(array)
+    if not view.c_contiguous:  # a slice of a larger array: copy it into row order
+        view = memoryview(np.ascontiguousarray(view))
+    return view.cast("B")
 
 
 def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None = None, sparse: bool = False) -> int:
@@ -303,8 +316,9 @@ def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None
             f.truncate(8 + len(raw) + offset)
         else:
             for name, _, _, produce in entries:
-                data = produce()
-                if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
-                    raise CheckpointError(f"{path}: tensor {name!r} produced {len(data)} bytes, header says otherwise")
+                data = memoryview(produce()).cast("B")
+                if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                    raise CheckpointError(f"{path}: tensor {name!r} produced {data.nbytes} bytes, header says otherwise")
                 f.write(data)
+                del data
     return 8 + len(raw) + offset

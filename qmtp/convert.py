@@ -84,6 +84,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 """Widths `convert` writes (mx.quantize also takes 1 bit; no loader expects it in a model)."""
 GROUP_SIZES = (32, 64, 128)
 ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
+QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
 
 TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 TOKENIZER_PREFIXES = ("tokenizer", "chat_template")
@@ -258,7 +259,8 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted run left
     try:
         tmp.mkdir(parents=True)
-        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress)
+        largest = max(info.nbytes for info in ckpt.infos.values())
+        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=4 * largest)
         config_out = dict(raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = writer.quantization_block(bits, group_size)
@@ -329,12 +331,26 @@ def replace_directory(tmp: Path, dst: Path) -> None:
     A run killed between the two renames, or while removing the old directory, leaves `.DST.qmtp-old`
     behind (and no `dst` in the first case): the next run removes it, whether or not `dst` exists then.
     """
+    _flush_to_disk(tmp)
     old = dst.with_name(f".{dst.name}.qmtp-old")
     shutil.rmtree(old, ignore_errors=True)
     if dst.exists():
         os.replace(dst, old)
     os.replace(tmp, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _flush_to_disk(directory: Path) -> None:
+    """fsync every file of `directory` and the directory itself, so that after a crash or power cut the
+    renamed folder never holds files the disk has only partly received."""
+    for file in directory.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 class _TensorWriter:
@@ -350,6 +366,7 @@ class _TensorWriter:
         self.shapes = layout.expected_shapes(config, head=True)
         self.names = [n for n in self.shapes if n in policy]  # trunk, then head, as the config orders them
         self.pending: dict[str, object] = {}
+        self.streams = None  # made on first use, by the thread that quantizes
         self.entries, self.record = [], {}
         for i, name in enumerate(self.names):
             t, key = policy[name], layout.mlx_name(name)
@@ -380,25 +397,25 @@ class _TensorWriter:
         return w.astype(getattr(mx, DTYPES[out_dtype][1]))
 
     def _plain(self, name, out_dtype, following):
-        import mlx.core as mx
-
-        w = self._materialise(name, following, out_dtype)
-        data = tensor_bytes(w)
-        del w
-        mx.clear_cache()
-        return data
+        return tensor_bytes(self._materialise(name, following, out_dtype))
 
     def _quantize(self, name, following):
         import mlx.core as mx
 
         t = self.policy[name]
-        codes, scales, biases = mx.quantize(self._materialise(name, following, self.dtype), group_size=t.group_size, bits=t.bits)
+        w = self._materialise(name, following, self.dtype)
+        # MLX quantizes on one core per stream: the two halves of the rows on two streams use two cores,
+        # and give the same codes, since every group lies within one row.
+        if self.streams is None:
+            self.streams = [mx.new_stream(mx.cpu) for _ in range(QUANTIZE_STREAMS)]
+        rows = np.array_split(np.arange(w.shape[0]), len(self.streams)) if w.shape[0] >= len(self.streams) else [None]
+        parts = [mx.quantize(w if r is None else w[int(r[0]): int(r[-1]) + 1], group_size=t.group_size, bits=t.bits,
+                             stream=stream) for r, stream in zip(rows, self.streams)]
+        codes, scales, biases = (mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+        del w, parts
         mx.eval(codes, scales, biases)
         self.pending[name] = [None, scales, biases]
-        data = tensor_bytes(codes)
-        del codes
-        mx.clear_cache()
-        return data
+        return tensor_bytes(codes)
 
     def _take(self, name, part):
         parts = self.pending[name]
@@ -419,55 +436,89 @@ class _TensorWriter:
         return block
 
 
-def _write_weights(directory: Path, entries, metadata: dict, shards: int, progress: bool) -> list[str]:
+def _write_weights(directory: Path, entries, metadata: dict, shards: int, progress: bool,
+                   cache_limit: int | None = None) -> list[str]:
     """Write the entries into one file, or `shards` files and an index; returns the file names.
 
-    A progress bar (on stderr) counts bytes and tensors as each tensor is produced.
+    The next tensor is read and quantized on a worker thread while this one is written (`_Ahead`), so a
+    conversion keeps two cores busy. MLX keeps freed buffers for reuse up to `cache_limit` bytes (fresh
+    pages cost more than the copies). A progress bar (on stderr) counts bytes and tensors as they are written.
     """
+    import mlx.core as mx
     from tqdm import tqdm
 
     bar = tqdm(total=sum(e[2] for e in entries), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                disable=not progress, dynamic_ncols=True)
+    ahead = _Ahead([e[4] for e in entries])
     done = 0
 
-    def counted(produce):
+    def counted(i):
         def run():
             nonlocal done
-            data = produce()
+            data = ahead.result(i)
             done += 1
             bar.set_postfix_str(f"{done}/{len(entries)} tensors", refresh=False)
-            bar.update(len(data))
+            bar.update(data.nbytes)
             return data
         return run
 
-    groups = _shard_groups(entries, shards)
+    groups = _shard_groups(list(enumerate(entries)), shards)
     files = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    previous_limit = mx.set_cache_limit(cache_limit) if cache_limit is not None else None
     try:
         for file, group in zip(files, groups):
-            write_safetensors(directory / file, [(n, d, s, counted(p)) for n, d, _, s, p in group], metadata)
+            write_safetensors(directory / file, [(n, d, s, counted(i)) for i, (n, d, _, s, _) in group], metadata)
     finally:
+        ahead.close()
         bar.close()
+        if previous_limit is not None:
+            mx.set_cache_limit(previous_limit)
+        mx.clear_cache()
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(e[2] for e in entries), "format": "mlx"},
-                 "weight_map": {e[0]: file for file, group in zip(files, groups) for e in group}}
+                 "weight_map": {e[0]: file for file, group in zip(files, groups) for _, e in group}}
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return files
 
 
+class _Ahead:
+    """Runs producers in order on one worker thread, one ahead of the caller: while the caller writes tensor
+    i, tensor i + 1 is read and quantized. At most two tensors are in memory at once."""
+
+    def __init__(self, produces):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.produces = produces
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qmtp-convert")
+        self.futures = {}
+
+    def result(self, i: int):
+        future = self.futures.pop(i, None) or self.pool.submit(self.produces[i])
+        if i + 1 < len(self.produces):
+            self.futures[i + 1] = self.pool.submit(self.produces[i + 1])
+        return future.result()
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)  # a tensor in progress finishes before the caller cleans up
+
+
 def _shard_groups(entries, shards: int) -> list[list]:
-    """Cut the entries into at most `shards` runs of about equal bytes, never between a weight and its
-    scales and biases."""
+    """Cut the (index, entry) pairs into at most `shards` runs of about equal bytes, never between a weight and
+    its scales and biases."""
     if shards <= 1:
         return [entries]
-    target = sum(e[2] for e in entries) / shards
+    target = sum(e[2] for _, e in entries) / shards
     groups, current, filled = [], [], 0
-    for entry in entries:
+    for item in entries:
+        entry = item[1]
         whole = not entry[0].endswith(layout.QUANTIZED_PARTS)  # scales and biases stay with their codes
         if current and whole and filled + entry[2] > target * (len(groups) + 1) and len(groups) < shards - 1:
             groups.append(current)
             current = []
-        current.append(entry)
+        current.append(item)
         filled += entry[2]
     groups.append(current)
     return groups

@@ -501,7 +501,7 @@ def test_an_interrupted_conversion_leaves_nothing(source, tmp_path, monkeypatch,
     expected = QmtpError if exception is OSError else exception
     with pytest.raises(expected):
         quiet_convert(source, tmp_path / "out")
-    assert len(calls) == 40
+    assert 40 <= len(calls) <= 41  # the worker may have started the tensor after the failing one
     assert list(tmp_path.iterdir()) == []  # no dst, no temporary directory
 
     # the same over an existing destination with --force: the old conversion stays as it was
