@@ -156,10 +156,11 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
 
 
-def read_tensor(info: TensorInfo):
+def read_tensor(info: TensorInfo, index: tuple | None = None):
     """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype.
 
     The file is mapped rather than read into a buffer: MLX copies straight from the page cache, once.
+    With `index` (a tuple of slices) only that part is copied, e.g. the gate half of fused experts.
     """
     import mlx.core as mx
 
@@ -176,8 +177,8 @@ def read_tensor(info: TensorInfo):
                 out = mx.array(np.zeros(info.shape, dtype=np_dtype))
             else:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                    view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset)
-                    out = mx.array(view.reshape(info.shape))  # a copy: the mapping can close
+                    view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset).reshape(info.shape)
+                    out = mx.array(view if index is None else view[index])  # a copy: the mapping can close
                     del view
     except OSError as err:
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({err})") from None
@@ -258,12 +259,12 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self.infos)
 
-    def load(self, name: str):
-        """One tensor as an MLX array in its stored dtype; only its bytes are read."""
+    def load(self, name: str, index: tuple | None = None):
+        """One tensor (or the part `index` selects) as an MLX array in its stored dtype; only its bytes are read."""
         info = self.infos.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: has no tensor {name!r}")
-        return read_tensor(info)
+        return read_tensor(info, index)
 
     @property
     def nbytes(self) -> int:

@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 3 with --scaled)")
     decode.add_argument("--prompts", type=int, help="how many prompts (default 5, one per register; 2 with --scaled)")
     decode.add_argument("--json", type=Path, help="also write the results here")
+    conv = benches.add_parser("convert", help="qmtp convert against mlx_lm.convert and cp on a synthetic checkpoint")
+    conv.add_argument("--workdir", type=Path, metavar="DIR",
+                      help="keep the synthetic source here and reuse it (default: a temporary folder, removed)")
+    conv.add_argument("--gb", type=float, default=4.0, help="size of the bf16 source, at least (default 4)")
+    conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 4)")
+    conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    conv.add_argument("--rounds", type=int, default=2, help="rounds of the three commands (default 2)")
+    conv.add_argument("--json", type=Path, help="also write the results here")
     return parser
 
 
@@ -225,11 +233,20 @@ def bench(args) -> int:
     from . import bench as benchmarks
     from .model import load
 
+    if args.bench == "convert":
+        from . import bench_convert
+
+        _require_mlx_lm("bench convert")
+        report = bench_convert.run(args.workdir, args.gb, args.bits, args.group_size, args.rounds,
+                                   progress=lambda line: print(line, flush=True))
+        print(bench_convert.table(report))
+        benchmarks.write_json(report, args.json)
+        return 0
     if args.bench == "decode":
         scaled = args.scaled is not None
         if scaled and args.model is not None:
             raise UsageError("bench decode: give MODEL or --scaled DIR, not both")
-        _require_mlx_lm()
+        _require_mlx_lm("bench decode")
         if scaled:  # about a third of a second per token on a small CPU: fewer, shorter runs by default
             print(f"synthetic model of the real layer widths in {args.scaled} (written on first use) ...", flush=True)
             args.model = benchmarks.scaled_checkpoint(args.scaled)
@@ -266,11 +283,11 @@ def _bench_prompts(model, per_register: int) -> list[list[int]]:
     return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(5 * per_register)]
 
 
-def _require_mlx_lm() -> None:
-    try:
-        import mlx_lm  # noqa: F401
-    except ImportError:
-        raise UsageError("bench decode compares with mlx-lm, which is not installed (pip install mlx-lm)") from None
+def _require_mlx_lm(what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise UsageError(f"{what} compares with mlx-lm, which is not installed (pip install mlx-lm)")
 
 
 def chat(args) -> int:

@@ -85,6 +85,8 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
 QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
+QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
+MAX_CACHE_BYTES = 2 * 1024**3  # at most this much freed memory kept by MLX for reuse while converting
 
 TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 TOKENIZER_PREFIXES = ("tokenizer", "chat_template")
@@ -259,8 +261,10 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted run left
     try:
         tmp.mkdir(parents=True)
+        # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves.
         largest = max(info.nbytes for info in ckpt.infos.values())
-        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=4 * largest)
+        cache_limit = min(4 * largest, MAX_CACHE_BYTES)
+        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=cache_limit)
         config_out = dict(raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = writer.quantization_block(bits, group_size)
@@ -404,15 +408,23 @@ class _TensorWriter:
 
         t = self.policy[name]
         w = self._materialise(name, following, self.dtype)
-        # MLX quantizes on one core per stream: the two halves of the rows on two streams use two cores,
-        # and give the same codes, since every group lies within one row.
+        mx.eval(w)
+        # Quantized a few rows at a time: mx.quantize works in float32 internally, so a whole stack of experts
+        # at once would need twice its bf16 size again. Neighbouring chunks go to two CPU streams, i.e. two
+        # cores. Every group lies within one row, so the codes are those of the whole tensor.
         if self.streams is None:
             self.streams = [mx.new_stream(mx.cpu) for _ in range(QUANTIZE_STREAMS)]
-        rows = np.array_split(np.arange(w.shape[0]), len(self.streams)) if w.shape[0] >= len(self.streams) else [None]
-        parts = [mx.quantize(w if r is None else w[int(r[0]): int(r[-1]) + 1], group_size=t.group_size, bits=t.bits,
-                             stream=stream) for r, stream in zip(rows, self.streams)]
+        row_bytes = w.nbytes // w.shape[0]
+        step = max(1, QUANTIZE_CHUNK_BYTES // row_bytes)
+        parts = []
+        for i, start in enumerate(range(0, w.shape[0], step)):
+            parts.append(mx.quantize(w[start: start + step], group_size=t.group_size, bits=t.bits,
+                                     stream=self.streams[i % len(self.streams)]))
+            if i % len(self.streams) == len(self.streams) - 1:
+                mx.eval(parts[-len(self.streams):])
+        del w
         codes, scales, biases = (mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
-        del w, parts
+        del parts
         mx.eval(codes, scales, biases)
         self.pending[name] = [None, scales, biases]
         return tensor_bytes(codes)

@@ -431,12 +431,11 @@ class Reader:
 
         if recipe.op == "copy":
             return self.ckpt.load(recipe.sources[0])
-        if recipe.op == "slice":
+        if recipe.op == "slice":  # read only the slice, not the fused tensor around it
             axis, start, stop = recipe.args
-            w = self._read(recipe.sources[0])
-            index = [slice(None)] * w.ndim
+            index = [slice(None)] * len(self.ckpt.infos[recipe.sources[0]].shape)
             index[axis] = slice(start, stop)
-            return w[tuple(index)]
+            return self.ckpt.load(recipe.sources[0], tuple(index))
         if recipe.op == "stack":
             return mx.stack([self.ckpt.load(s) for s in recipe.sources])
         if recipe.op == "unfuse":

@@ -72,3 +72,38 @@ def test_the_scaled_model_has_the_real_layer_widths_and_fits():
     assert config.layer_types.count("full_attention") >= 1 and config.layer_types.count("linear_attention") >= 1
     assert sizes(config, bench.SCALED_BITS).total_bytes < 1.5e9
     assert sizes(config, 16, mtp_bits=None, router_bits=16).total_bytes < 3e9  # the bf16 source
+
+
+def test_bench_convert_times_three_tools_on_the_same_source(tmp_path, capsys):
+    pytest.importorskip("mlx_lm")
+    from qmtp import bench_convert
+
+    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64)
+    report = bench_convert.run(tmp_path / "work", bits=4, rounds=1, config=config, progress=lambda line: None)
+    assert set(report["tools"]) == {"cp", "qmtp", "mlx-lm"}
+    source = report["source_bytes"]
+    cp, qmtp, mlx_lm = (report["tools"][t] for t in ("cp", "qmtp", "mlx-lm"))
+    assert cp["output_bytes"] >= source  # a copy of everything
+    # 4-bit trunk + bf16 head, against mlx-lm's 4-bit trunk alone: smaller than the source, larger than mlx-lm's
+    assert mlx_lm["output_bytes"] < qmtp["output_bytes"] < source
+    for t in report["tools"].values():
+        assert t["seconds"] > 0 and t["peak_rss_bytes"] >= 1e6
+    assert report["qmtp_time_over_cp"] == pytest.approx(qmtp["seconds"] / cp["seconds"])
+    assert not list((tmp_path / "work").glob("out-*"))  # outputs removed, the source kept for reuse
+    again = bench_convert.run(tmp_path / "work", bits=4, rounds=1, config=config, progress=lambda line: None)
+    assert again["source_bytes"] == source
+    printed = bench_convert.table(report)
+    assert "| qmtp |" in printed and "| mlx-lm |" in printed and "time / cp" in printed
+
+
+def test_bench_convert_source_reaches_the_size_asked_for():
+    from qmtp import bench_convert
+    from qmtp.errors import UsageError
+    from qmtp.sizes import UNQUANTIZED
+
+    config = bench_convert.source_config(4.0)
+    assert sizes(config, bits=UNQUANTIZED).total_bytes >= 4e9
+    assert sizes(config.replace(num_experts=config.num_experts - 8), bits=UNQUANTIZED).total_bytes < 4e9
+    assert config.hidden_size == QWEN36_35B_A3B.hidden_size
+    with pytest.raises(UsageError, match="at most"):
+        bench_convert.source_config(100)
