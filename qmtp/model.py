@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import cores
 from . import fixes as fixes_mod
 from . import layout
 from .attention import GatedAttention, causal_mask
@@ -139,6 +140,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         self.mtp = MTPHead(config, routed_experts=head_routed_experts) if head and config.has_mtp else None
         self.fixes_applied: tuple[str, ...] = ()
+        self._lm_head_split = False  # qmtp.cores: lm_head in row blocks on several CPU streams (None: not worth it)
         self.path: Path | None = None
         self.tokenizer = None
 
@@ -155,7 +157,9 @@ class Model(nn.Module):
         """Score hidden states with lm_head (shared by trunk and head)."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        if self._lm_head_split is False or (self._lm_head_split and self._lm_head_split.linear is not self.lm_head):
+            self._lm_head_split = cores.split_lm_head(self.lm_head)  # on first use: after loading and quantizing
+        return self._lm_head_split(h) if self._lm_head_split else self.lm_head(h)
 
     def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> mx.array:
         return self.logits(self.trunk(tokens, cache)[1])
