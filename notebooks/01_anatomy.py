@@ -23,7 +23,7 @@
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import inventory, plots, sizes
+from qmtp import inventory, plots, results, sizes
 from qmtp.claims import CLAIMS
 
 path = inventory.model_path()
@@ -99,3 +99,9 @@ glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
 # this book recommends, it weighs {glue:text}`head_bf16_gb:.2f` GB, not the
 # {glue:text}`claimed_head_gb` GB the seed's card states; that figure matches a 4-bit head
 # ({glue:text}`head_4_gb:.2f` GB), and an 8-bit head weighs {glue:text}`head_8_gb:.2f` GB.
+
+# %%
+results.save("01_anatomy", path, {
+    "trunk_gb": {row["trunk bits"]: row["trunk GB"] for row in variant_rows},
+    "head_gb": {("bf16" if w is None else str(w)): gb for w, gb in head_sizes.items()},
+})

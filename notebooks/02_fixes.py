@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import evaluate, inventory, mistakes
+from qmtp import evaluate, inventory, mistakes, results
 
 warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
 path = inventory.model_path()
@@ -95,10 +95,9 @@ fig.tight_layout()
 # is what a second shift would do.
 
 # %%
-shift_rows = []
-for label in mistakes.NORM_SHIFTS:
-    result = mistakes.outcome(lambda s=label: mistakes.with_norm_shift(path, s), texts, prompt)
-    shift_rows.append({"norm weights": label, **show(result)})
+shifts = {label: mistakes.outcome(lambda s=label: mistakes.with_norm_shift(path, s), texts, prompt)
+          for label in mistakes.NORM_SHIFTS}
+shift_rows = [{"norm weights": label, **show(result)} for label, result in shifts.items()]
 Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perplexity", "what happens"]))
 
 # %% [markdown]
@@ -119,3 +118,10 @@ Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplex
 # The reshape gives exactly the correct kernel, because the axis it moves has length one; the two
 # layouts that MLX cannot use are refused; reversing the taps, or reading channels and taps in the wrong
 # order, runs without complaint and degrades the text: those are the mistakes to test for.
+
+# %%
+results.save("02_fixes", path, {
+    "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
+    "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
+    "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
+})

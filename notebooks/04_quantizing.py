@@ -28,7 +28,7 @@ import numpy as np
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import evaluate, inventory, plots, quality, quant, sizes
+from qmtp import evaluate, inventory, plots, quality, quant, results, sizes
 from qmtp.convert import convert
 
 warnings.simplefilter("ignore", UserWarning)
@@ -142,7 +142,8 @@ glue("trunk_2_acc", trunk[2]["acceptance_n_draft_2"], display=False)
 # at each width and compares it with float64 arithmetic on the reference's dequantized weights.
 
 # %%
-print(quant.report(quant.check_backend()))
+backend = quant.check_backend()
+print(quant.report(backend))
 
 # %% [markdown]
 # A ROCm build of MLX once took its tiled quantized-matmul path for 6-bit weights although that path
@@ -156,5 +157,16 @@ six = qmtp.load(workdir / "q6")
 prompt = "Once upon a time, a little fox named"
 print("healthy 6-bit:", repr(qmtp.generate(six, prompt, max_tokens=24).text))
 with quant.simulated_fault(6):
-    print(quant.report(quant.check_backend()))
+    faulty_backend = quant.check_backend()
+    print(quant.report(faulty_backend))
     print("faulty 6-bit: ", repr(qmtp.generate(six, prompt, max_tokens=24).text))
+
+# %%
+results.save("04_quantizing", path, {
+    "head_width_acceptance": {str(w): m["acceptance_n_draft_2"] for w, m in head.items()},
+    "head_bf16_over_4bit_mb": (head["bf16"]["head_bytes"] - head[4]["head_bytes"]) / 1e6,
+    "trunk_width_perplexity": {str(b): m["perplexity"] for b, m in trunk.items()},
+    "backend_faulty_widths": [c.bits for c in backend if not c.ok],
+    "simulated_fault_flagged": [c.bits for c in faulty_backend if not c.ok],
+    "mlx_version": mx.__version__,
+})

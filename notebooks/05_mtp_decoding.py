@@ -25,7 +25,7 @@
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp import evaluate, inventory, mtp, plots, widgets
+from qmtp import evaluate, inventory, mtp, plots, results, widgets
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -125,3 +125,13 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 
 # %%
 widgets.step_explorer(example, model.tokenizer)
+
+# %%
+results.save("05_mtp_decoding", path, {
+    "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
+    "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
+    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()},
+    "ablation": ablation,
+    "per_register": per_register,
+    "lossless_mismatches": mismatches,
+})

@@ -29,7 +29,7 @@ import os
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp import bench, evaluate, inventory, plots, throughput
+from qmtp import bench, evaluate, inventory, plots, results, throughput
 from qmtp.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -239,5 +239,16 @@ assert versus["same_tokens"]
 # there by running each decoder layer of a decode or verify pass as one compiled function of its input and
 # state (`mx.compile`), which fuses its elementwise work and replays it without Python, and by queueing the
 # next pass before reading the current token. At the tiny widths a pass costs what it dispatches, so this
-# is where an engine's own overheads show; at the real widths both engines spend their time in the same
-# MLX matrix kernels and can only tie (`bench decode --scaled`).
+# is where an engine's own overheads show. At the real widths both engines spend their time in the same
+# MLX matrix kernels, each operation on one core. There qmtp's one advantage is `qmtp.cores`: lm_head, the
+# widest weight a step reads, is cut into blocks of rows computed on separate CPU streams, so on separate
+# cores, with exactly the same logits (`python -m qmtp bench decode --scaled DIR` measures it; `QMTP_CORES=1`
+# turns it off). The tiny model's lm_head is too small for that to pay, so it is not split here.
+
+# %%
+results.save("06_throughput", path, {
+    "predicted_moe_4bit": {str(n): moe[(4, n)] for n in range(1, 6)},
+    "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
+    "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},
+    "qmtp_over_mlx_lm": versus["ratio"],
+})

@@ -1,0 +1,65 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   mystnb:
+#     execution_mode: force
+# ---
+
+# %% [markdown]
+# # 7. The claims, checked
+#
+# The seed's model card and the reports around it make claims about this model: that it needs two fixes,
+# what its conversions weigh, how often its head's drafts are accepted, what a crippled or quantized head
+# costs, what MTP buys on an A3B MoE. Each claim is set beside the chapter that tests it. Nothing is
+# measured again here: every value below was saved by its chapter when it ran on the same model
+# (`qmtp.results`), and the verdict is computed from it by the rule written next to the claim in
+# `qmtp.claims`.
+
+# %%
+import qmtp
+from IPython.display import Markdown
+from myst_nb import glue
+from qmtp import claims, inventory, results
+
+path = inventory.model_path()
+print(inventory.describe(path))
+saved = {chapter: results.load(chapter, path) for chapter in claims.CHAPTERS}
+real_model = claims.is_real_model(qmtp.ModelConfig.from_file(path))
+rows = claims.check(saved, real_model)
+
+# %% [markdown]
+# ## The table
+#
+# "Chapter" is where the measurement is shown. Claims about the real model's numbers can be tested only
+# on its weights; on the bundled model, the rows that the tiny model can still speak to (the size
+# arithmetic, what the fixes do, how acceptance behaves) are tested, and the rest say why not.
+
+# %%
+Markdown(inventory.markdown_table(rows, ["claim", "chapter", "measured", "verdict", "why"]))
+
+# %%
+verdicts = [r["verdict"] for r in rows]
+glue("n_claims", len(rows), display=False)
+glue("n_hold", verdicts.count(claims.HOLDS), display=False)
+glue("n_fail", verdicts.count(claims.FAILS), display=False)
+glue("n_untested", verdicts.count(claims.UNTESTABLE), display=False)
+glue("failed_claims", "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] == claims.FAILS) or "none",
+     display=False)
+
+# %% [markdown]
+# Of {glue:text}`n_claims` claims, {glue:text}`n_hold` hold, {glue:text}`n_fail` do not and
+# {glue:text}`n_untested` cannot be tested on this machine and model. The ones that do not hold:
+# {glue:text}`failed_claims`.
+#
+# ## Where each claim comes from
+
+# %%
+Markdown(inventory.markdown_table(rows, ["claim", "source"]))
