@@ -131,3 +131,14 @@ print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in 
 # mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from
 # qmtp's on the same file by at most {glue:text}`mlxlm_relerr:.1e` relative: the same trunk, without the
 # head that drafts.
+
+# %% [markdown]
+# ## What a conversion costs
+#
+# `convert` never holds the model: it reads one output tensor's worth of the source at a time (a layer's
+# stacked experts at most, fused halves read straight from the mapped file), quantizes it a few rows at a
+# time on two CPU streams while the previous tensor is being written, and renames the finished folder into
+# place only after its files are on the disk. `python -m qmtp bench convert` measures what that buys: it
+# writes a synthetic checkpoint of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert`
+# and a plain `cp` of the source in the same run, with each one's peak memory. It takes a few minutes and
+# several gigabytes of disk, so the book does not run it.

@@ -261,7 +261,7 @@ def check_backend(bits=(2, 3, 4, 5, 6, 8), group_size: int = 64, seed: int = 0, 
     fork's 6-bit fault was in the tiled path), so both are exercised. The worst error over them is reported.
 
     A correct float32 kernel differs from the float64 result by accumulated rounding only, at most about
-    cols * 2**-24 relative to max |x| @ |W~|.T (3e-5 for cols=512; typically 1e-7). The tolerance is 1e-4 of
+    ``cols * 2**-24`` relative to ``max |x| @ |W~|.T`` (3e-5 for cols=512; typically 1e-7). The tolerance is 1e-4 of
     that magnitude: above any correct summation order, far below what a wrong kernel (uninitialised memory,
     misread 6-bit words) produces. NaN or inf in the output always fails.
     """

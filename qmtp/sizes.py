@@ -209,7 +209,8 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """Parameter counts of trunk and head, and how many parameters one token uses.
 
-    Keys:
+    Keys::
+
       "trunk"          every trunk tensor, embed_tokens and lm_head included
       "head"           every `mtp.*` tensor (the head shares embed_tokens and lm_head, counted in "trunk")
       "total"          trunk + head
