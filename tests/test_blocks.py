@@ -314,7 +314,8 @@ def _conv_error(cfg) -> str:
 def test_raw_model_differs_from_fixed(case):
     """fixes=(): loads, keeps w ~ 0 norms and the [C, 1, K] kernel; full-attention layers run and differ,
     anything through a DeltaNet layer raises MLX's conv1d shape error."""
-    raw = qmtp.load(case.path, fixes=())
+    with pytest.warns(UserWarning, match="without the"):  # the loader warns about every fix left out
+        raw = qmtp.load(case.path, fixes=())
     assert raw.fixes_applied == ()
     C, K = case.cfg.linear_conv_dim, case.cfg.linear_conv_kernel_dim
     i_lin, i_full = case.layers_of(LINEAR)[0], case.layers_of(FULL)[0]
@@ -335,7 +336,8 @@ def test_raw_model_differs_from_fixed(case):
 def test_conv_fix_only_is_the_unshifted_model(case):
     """fixes=("conv",) runs end to end; its logits differ from the fixed model's and equal the reference
     computed with the stored (unshifted) norms: the norm fix is exactly the +1."""
-    m = qmtp.load(case.path, fixes=("conv",))
+    with pytest.warns(UserWarning, match="'norm' fix"):
+        m = qmtp.load(case.path, fixes=("conv",))
     assert m.fixes_applied == ("conv",)
     tokens = mx.array(case.tokens)
     got = np.array(m(tokens))
@@ -347,7 +349,8 @@ def test_conv_fix_only_is_the_unshifted_model(case):
 def test_norm_fix_only_fails_loudly_at_forward(case):
     """fixes=("norm",): qmtp.load does NOT raise; the kernel keeps its stored [C, 1, K] shape and the first
     forward through a DeltaNet layer raises ValueError from mx.conv1d. Full-attention layers are correct."""
-    m = qmtp.load(case.path, fixes=("norm",))
+    with pytest.warns(UserWarning, match="'conv' fix"):
+        m = qmtp.load(case.path, fixes=("norm",))
     assert m.fixes_applied == ("norm",)
     C, K = case.cfg.linear_conv_dim, case.cfg.linear_conv_kernel_dim
     for i in case.layers_of(LINEAR):

@@ -107,6 +107,7 @@ def test_mtp_logits_shape_and_prenorm_option(model):
 
 def test_fixes_are_recorded_and_raw_differs(checkpoint, model):
     assert model.fixes_applied == ("norm", "conv")
-    raw_norm_only = qmtp.load(checkpoint, fixes=("conv",))
+    with pytest.warns(UserWarning, match="'norm' fix"):
+        raw_norm_only = qmtp.load(checkpoint, fixes=("conv",))
     assert raw_norm_only.fixes_applied == ("conv",)
     assert relative_error(raw_norm_only(TOKENS), model(TOKENS)) > 0.1
