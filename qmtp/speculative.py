@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .errors import UsageError
+from .errors import QmtpError, UsageError
 from .model import Model
 
 MAX_N_DRAFT = 8
@@ -242,13 +242,21 @@ def generate(
     started = time.perf_counter()
     h, logits = trunk_pass(prompt_tokens)
     last = logits[0, -1].astype(mx.float32)
+    # Damaged weights (NaN/Inf) give NaN logits, whose argmax is an arbitrary token: stop here instead.
+    finite = mx.isfinite(last).all()
     if greedy:
         first = mx.argmax(last)
-        mx.eval(first, h)
+        mx.eval(first, h, finite)
         pending = int(first.item())
     else:
         last = np.array(last)
-        mx.eval(h)
+        mx.eval(h, finite)
+        pending = None
+    if not finite.item():
+        where = f" {model.path}" if model.path else ""
+        raise QmtpError(f"model{where} computes NaN or Inf logits for the prompt: its weights are damaged "
+                        f"(find the tensor with `python -m qmtp doctor MODEL --scan`)")
+    if pending is None:
         pending = sampler.choose(last)
     stats.prefill_seconds = time.perf_counter() - started
     out = [pending]

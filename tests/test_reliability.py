@@ -605,3 +605,12 @@ def test_killed_conversions_leave_nothing_that_loads_and_reruns_are_identical(tm
             f"{outcome}, left {left or 'nothing'}; rerun {rerun_seconds:.2f} s, identical"
         )
     print("\n".join(report))
+
+
+@pytest.mark.parametrize("flags", [[], ["--use-mtp"], ["--temperature", "0.7"]])
+def test_chat_on_damaged_weights_says_so(make, flags):
+    """NaN weights used to give an empty (argmax of NaN) answer; now the first logits are checked."""
+    path = make("nan_chat")
+    poke(path, P + "layers.0.input_layernorm.weight", np.nan)
+    result = run("chat", path, "--prompt", "hello", "--max-tokens", "4", *flags)
+    print(one_line_error(result, path, "NaN or Inf logits", "doctor MODEL --scan"))
