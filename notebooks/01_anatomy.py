@@ -101,7 +101,7 @@ glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
 # ({glue:text}`head_4_gb:.2f` GB), and an 8-bit head weighs {glue:text}`head_8_gb:.2f` GB.
 
 # %%
-results.save("01_anatomy", path, {
+saved = results.save("01_anatomy", path, {
     "trunk_gb": {row["trunk bits"]: row["trunk GB"] for row in variant_rows},
     "head_gb": {("bf16" if w is None else str(w)): gb for w, gb in head_sizes.items()},
 })

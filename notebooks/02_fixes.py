@@ -20,6 +20,7 @@
 # `qmtp.load(path, fixes=...)` applies either, both or neither; this chapter loads the model each way.
 
 # %%
+import textwrap
 import warnings
 
 import matplotlib.pyplot as plt
@@ -50,9 +51,10 @@ for label, fixes in variants.items():
 
 def show(row):
     if not row["runs"]:
-        return {"accuracy": "-", "perplexity": "-", "what happens": f"MLX refuses: `{row['error'][:90]}`"}
+        return {"accuracy": "-", "perplexity": "-",
+                "what happens": "MLX refuses: " + textwrap.shorten(row["error"], 90, placeholder=" …")}
     return {"accuracy": f"{row['accuracy']:.3f}", "perplexity": f"{row['perplexity']:.1f}",
-            "what happens": repr(row["continuation"])[:90]}
+            "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …")}
 
 
 Markdown(inventory.markdown_table([{"load": r["load"], **show(r)} for r in rows],
@@ -120,7 +122,7 @@ Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplex
 # order, runs without complaint and degrades the text: those are the mistakes to test for.
 
 # %%
-results.save("02_fixes", path, {
+saved = results.save("02_fixes", path, {
     "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
     "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
     "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],

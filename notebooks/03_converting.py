@@ -21,6 +21,7 @@
 
 # %%
 import json
+import textwrap
 import tempfile
 import warnings
 from pathlib import Path
@@ -71,14 +72,16 @@ meta = converted.metadata
 widths = json.loads(meta["qmtp.quantization"])
 summary = {k: v for k, v in meta.items() if k != "qmtp.quantization"}
 examples = dict([next((k, v) for k, v in widths.items() if v["bits"]), next((k, v) for k, v in widths.items() if not v["bits"])])
-summary["qmtp.quantization"] = f"{len(widths)} entries, e.g. " + json.dumps(examples)
-Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"]))
+summary["qmtp.quantization"] = f"{len(widths)} entries, one per stored weight (two below)"
+summary["qmtp.source_digest"] = summary["qmtp.source_digest"][:16] + "…"
+Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"])
+         + "\n\n```json\n" + json.dumps(examples, indent=1) + "\n```")
 
 # %%
 try:
     convert(workdir / "q8", workdir / "again", bits=8, progress=False)
 except qmtp.QmtpError as err:
-    print("refused:", err)
+    print(textwrap.fill(f"refused: {err}", 80))
 
 # %% [markdown]
 # Converting the converted folder again is refused: it would shift the norms a second time.
@@ -101,7 +104,8 @@ norms_equal = all(
 head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
 glue("q8_top1", close["top1_agreement"], display=False)
 glue("q8_relerr", close["max_relative_error"], display=False)
-print(f"norms identical: {norms_equal}; head complete: {head_complete}; {close}")
+print(f"norms identical: {norms_equal}; head complete: {head_complete}")
+print("against the source:", ", ".join(f"{k} {v:.4g}" for k, v in close.items()))
 assert norms_equal and head_complete
 
 # %% [markdown]
@@ -125,7 +129,8 @@ names = [n for n, _ in tree_flatten(reference.parameters())]
 same = evaluate.logit_agreement(roundtrip, reference, texts)
 glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
 glue("mlxlm_relerr", same["max_relative_error"], display=False)
-print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}; agreement with qmtp: {same}")
+print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}")
+print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 
 # %% [markdown]
 # mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from

@@ -20,6 +20,7 @@
 
 # %%
 import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -155,14 +156,14 @@ workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter4-"))
 convert(path, workdir / "q6", bits=6, progress=False)
 six = qmtp.load(workdir / "q6")
 prompt = "Once upon a time, a little fox named"
-print("healthy 6-bit:", repr(qmtp.generate(six, prompt, max_tokens=24).text))
+print(textwrap.fill("healthy 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
 with quant.simulated_fault(6):
     faulty_backend = quant.check_backend()
     print(quant.report(faulty_backend))
-    print("faulty 6-bit: ", repr(qmtp.generate(six, prompt, max_tokens=24).text))
+    print(textwrap.fill("faulty 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
 
 # %%
-results.save("04_quantizing", path, {
+saved = results.save("04_quantizing", path, {
     "head_width_acceptance": {str(w): m["acceptance_n_draft_2"] for w, m in head.items()},
     "head_bf16_over_4bit_mb": (head["bf16"]["head_bytes"] - head[4]["head_bytes"]) / 1e6,
     "trunk_width_perplexity": {str(b): m["perplexity"] for b, m in trunk.items()},

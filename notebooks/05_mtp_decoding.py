@@ -121,13 +121,15 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 #
 # ## Explorer
 #
-# Move the slider to replay the worked example pass by pass.
+# Move the slider to replay the worked example pass by pass. (The explorer needs JavaScript and the
+# ipywidgets library, which the page loads from the web; offline, the worked example's figure above shows
+# the same passes.)
 
 # %%
 widgets.step_explorer(example, model.tokenizer)
 
 # %%
-results.save("05_mtp_decoding", path, {
+saved = results.save("05_mtp_decoding", path, {
     "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
     "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
     "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()},

@@ -50,9 +50,9 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 # pass chose independently, an expert is missed by all of them with probability `(1 - k/E)^n`, and the
 # pass reads on average
 #
-# `U(n) = Eleft(1 - (1 - k/E)^nright)`
+# $$U(n) = E\left(1 - (1 - k/E)^n\right)$$
 #
-# experts per layer (`throughput.expected_union`): `k` for one token, almost `2k` for two when `E gg k`.
+# experts per layer (`throughput.expected_union`): `k` for one token, almost `2k` for two when $E \gg k$.
 # Neighbouring tokens are not independent, so the measured union can be smaller. Below, greedy decoding
 # at `n_draft` 1 to 5 on held-out prompts, interleaved and repeated (`bench.mtp`), logs every expert each
 # verify pass read.
@@ -88,7 +88,7 @@ fig = plots.expert_union(report, E, k)
 # (`throughput.trunk_pass_bytes`). One draft step of the head reads its own layer with `k` experts and,
 # to score its draft, lm_head again (`throughput.head_step_bytes`). Time is then
 #
-# `t = frac{text{bytes}}{text{bandwidth}} + text{overhead},`
+# $$t = \frac{\text{bytes}}{\text{bandwidth}} + \text{overhead},$$
 #
 # the overhead being what a pass costs whatever its width (launching kernels, Python, waiting for the
 # host). For the real Qwen3.6-35B-A3B at 4 bits and a 4096-token context:
@@ -120,12 +120,12 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 #
 # ## Predicted speedup: the MoE against a dense model
 #
-# With per-position acceptance rates `a_1, a_2, dots` (a draft at position `i` is proposed only when the
-# ones before it were accepted), a step that verifies `n_{draft} - 1` drafts emits on average
+# With per-position acceptance rates $a_1, a_2, \dots$ (a draft at position $i$ is proposed only when the
+# ones before it were accepted), a step that verifies $n_\text{draft} - 1$ drafts emits on average
 #
-# `tau = 1 + sum_{i=1}^{n_{draft}-1} prod_{j le i} a_j`
+# $$\tau = 1 + \sum_{i=1}^{n_\text{draft}-1} \prod_{j \le i} a_j$$
 #
-# tokens, and costs one verify pass plus `n_{draft} - 1` head steps against `tau` plain passes
+# tokens, and costs one verify pass plus $n_\text{draft} - 1$ head steps against $\tau$ plain passes
 # (`throughput.predicted_speedup`). A dense model of the same active size reads the same weights for a
 # verify pass as for one token, so its drafts cost only the head. The rates below are the reported 0.78
 # at `n_draft=2` and 0.59 at `n_draft=3`, read as the first two positions and shrinking by the same ratio
@@ -134,14 +134,19 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 # %%
 rows = throughput.real_model_table(bits=(4, 8), bandwidth=BANDWIDTH, context=CONTEXT)
 fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
-table = [r for r in rows if r["n_draft"] > 1]
-display(Markdown(inventory.markdown_table(
-    table, ["bits", "model", "n_draft", "tokens_per_pass", "step_ms", "tokens_per_second", "speedup"],
-    {"tokens_per_pass": "{:.2f}", "step_ms": "{:.1f}", "tokens_per_second": "{:.0f}", "speedup": "{:.2f}x"})))
 
 
 def row(bits, model_kind, n):
     return next(r for r in rows if r["bits"] == bits and r["model"] == model_kind and r["n_draft"] == n)
+
+
+table = [{"bits": b, "n_draft": n, "tokens/pass": row(b, "MoE", n)["tokens_per_pass"],
+          "MoE ms/step": row(b, "MoE", n)["step_ms"], "MoE tok/s": row(b, "MoE", n)["tokens_per_second"],
+          "MoE speedup": row(b, "MoE", n)["speedup"], "dense speedup": row(b, "dense, same active size", n)["speedup"]}
+         for b in (4, 8) for n in range(2, 6)]
+display(Markdown(inventory.markdown_table(table, list(table[0]), {
+    "tokens/pass": "{:.2f}", "MoE ms/step": "{:.1f}", "MoE tok/s": "{:.0f}", "MoE speedup": "{:.2f}x",
+    "dense speedup": "{:.2f}x"})))
 
 
 moe = {(b, n): row(b, "MoE", n)["speedup"] for b in (4, 8) for n in range(1, 6)}
@@ -181,13 +186,14 @@ glue("claim_radeon", radeon[1] / radeon[0], display=False)
 cost = report["cost_model"]
 fig = plots.measured_vs_predicted(report)
 display(Markdown(inventory.markdown_table(
-    [dict(p, tokens_per_second=by_n[p["n_draft"]]["tokens_per_second"],
-          predicted_ms=p["predicted_step_seconds"] * 1e3, measured_ms=p["measured_step_seconds"] * 1e3)
+    [{"n_draft": p["n_draft"], "tokens/pass": p["tokens_per_pass"], "ms/step predicted": p["predicted_step_seconds"] * 1e3,
+      "ms/step measured": p["measured_step_seconds"] * 1e3, "tok/s": by_n[p["n_draft"]]["tokens_per_second"],
+      "speedup predicted": p["predicted_speedup"], "speedup measured": p["measured_speedup"]}
      for p in cost["predictions"]],
-    ["n_draft", "tokens_per_pass", "predicted_ms", "measured_ms", "tokens_per_second", "predicted_speedup",
-     "measured_speedup"],
-    {"tokens_per_pass": "{:.2f}", "predicted_ms": "{:.1f}", "measured_ms": "{:.1f}", "tokens_per_second": "{:.0f}",
-     "predicted_speedup": "{:.2f}x", "measured_speedup": "{:.2f}x"})))
+    ["n_draft", "tokens/pass", "ms/step predicted", "ms/step measured", "tok/s", "speedup predicted",
+     "speedup measured"],
+    {"tokens/pass": "{:.2f}", "ms/step predicted": "{:.1f}", "ms/step measured": "{:.1f}", "tok/s": "{:.0f}",
+     "speedup predicted": "{:.2f}x", "speedup measured": "{:.2f}x"})))
 plain, predicted = by_n[1], {p["n_draft"]: p for p in cost["predictions"]}
 drafting = [r for r in report["results"] if r["n_draft"] > 1]
 best = max(drafting, key=lambda r: r["speedup_vs_plain"])
@@ -246,7 +252,7 @@ assert versus["same_tokens"]
 # turns it off). The tiny model's lm_head is too small for that to pay, so it is not split here.
 
 # %%
-results.save("06_throughput", path, {
+saved = results.save("06_throughput", path, {
     "predicted_moe_4bit": {str(n): moe[(4, n)] for n in range(1, 6)},
     "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
     "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},

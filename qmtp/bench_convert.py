@@ -120,7 +120,7 @@ def launcher_peak_bytes() -> int:
 
 
 def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, rounds: int = 2, config=None,
-        progress=print) -> dict:
+        progress=None) -> dict:
     """Write (or reuse) the source in `workdir` and time the three tools on it, `rounds` times each.
 
     Without `workdir` everything goes into a temporary folder that is removed at the end. `config` replaces
@@ -128,6 +128,7 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
     """
     if rounds < 1:
         raise UsageError(f"--rounds {rounds}: give 1 or more")
+    progress = progress or (lambda line: print(line, flush=True))
     owned = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="qmtp-bench-convert-") if owned else workdir).expanduser()
     try:

@@ -200,13 +200,17 @@ def _radeon(ch6):
 
 def _six_bit(ch4):
     faulty, simulated = ch4["backend_faulty_widths"], ch4["simulated_fault_flagged"]
-    text = (f"this MLX ({ch4['mlx_version']}): wrong widths {faulty or 'none'}; with the fault simulated the "
-            f"self-check flags {simulated}")
+    text = (f"this MLX ({ch4['mlx_version']}): {'wrong at ' + _widths(faulty) if faulty else 'every width correct'}; "
+            f"with a 6-bit fault simulated, the self-check flags {_widths(simulated)}")
     if 6 in faulty:
         return _row("rocm_6bit_fault", "4", text, HOLDS, "the installed MLX computes 6-bit matmuls wrongly")
     return _row("rocm_6bit_fault", "4", text, UNTESTABLE,
                 "needs a ROCm build of MLX; `python -m qmtp doctor` run there says whether it has the fault"
                 + ("" if simulated == [6] else "; WARNING: the self-check missed the simulated fault"))
+
+
+def _widths(bits) -> str:
+    return ", ".join(f"{b}-bit" for b in bits) or "nothing"
 
 
 def is_real_model(config) -> bool:

@@ -101,7 +101,7 @@ class ModelConfig:
 
     @property
     def linear_conv_dim(self) -> int:
-        """Channels of the depthwise conv: q, k and v side by side."""
+        """Channels of the depthwise conv, q, k and v side by side."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property

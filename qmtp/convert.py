@@ -111,7 +111,7 @@ class Conversion:
     files: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        return (f"{self.path}: {self.tensors} tensors, {self.nbytes / 1e9:.3f} GB (trunk {self.trunk_bytes / 1e9:.3f}, "
+        return (f"{self.path}:\n  {self.tensors} tensors, {self.nbytes / 1e9:.3f} GB (trunk {self.trunk_bytes / 1e9:.3f}, "
                 f"head {self.head_bytes / 1e9:.3f}), MTP head {self.head}, {self.seconds:.1f} s")
 
 

@@ -18,16 +18,16 @@ def model_path(path=None) -> Path:
 
 
 def describe(path) -> str:
-    """One line: which model, how many parameters, how many bytes on disk."""
+    """Which model, then (on a second line, to fit a page) its shape, parameters and bytes on disk."""
     path = Path(path)
     config = ModelConfig.from_file(path)
     ckpt = Checkpoint(path)
     params = sum(i.numel for i in ckpt.infos.values())
     which = "the bundled tiny model" if path.resolve() == BUNDLED_MODEL.resolve() else f"the checkpoint in {path}"
     source = " ($QMTP_MODEL)" if os.environ.get("QMTP_MODEL") and which != "the bundled tiny model" else ""
-    return (f"Using {which}{source}: {config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
-            f"{config.num_experts} experts (top-{config.num_experts_per_tok}), vocabulary {config.vocab_size}; "
-            f"{params / 1e6:,.1f} M parameters in {ckpt.nbytes / 1e6:,.1f} MB.")
+    return (f"Using {which}{source}:\n  {config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+            f"{config.num_experts} experts (top-{config.num_experts_per_tok}), vocabulary {config.vocab_size};\n"
+            f"  {params / 1e6:,.1f} M parameters in {ckpt.nbytes / 1e6:,.1f} MB.")
 
 
 def by_category(path) -> list[dict]:

@@ -188,7 +188,7 @@ class Model(nn.Module):
 
     @property
     def dtype(self):
-        """The compute dtype (that of the norms: quantized layers hold uint32 codes)."""
+        """The compute dtype, that of the norms (quantized layers hold uint32 codes)."""
         return self.norm.weight.dtype
 
     def __repr__(self) -> str:

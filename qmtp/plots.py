@@ -39,26 +39,29 @@ def layer_pattern(config, title: str | None = None):
     kinds = list(config.layer_types) + (["mtp"] if config.has_mtp else [])
     colours = {"linear_attention": "#4C78A8", "full_attention": "#F58518", "mtp": "#54A24B"}
     labels = {"linear_attention": "gated DeltaNet", "full_attention": "gated attention", "mtp": "MTP head (full attention)"}
-    width = max(6.0, 0.18 * len(kinds) + 2)
-    fig, ax = plt.subplots(figsize=(width, 2.6))
+    # Half-inch cells while they fit the page; a real 40-layer stack gets narrower cells and a label every
+    # fourth layer, which is the period of the pattern.
+    cell = min(0.5, 6.0 / len(kinds))
+    every = 1 if cell >= 0.3 else 4
+    fig, ax = plt.subplots(figsize=(cell * len(kinds) + 1.4, 2.0), layout="constrained")
     for i, kind in enumerate(kinds):
-        ax.add_patch(Rectangle((i, 1.05), 0.9, 0.9, color=colours[kind]))
-        ax.add_patch(Rectangle((i, 0.0), 0.9, 0.9, color="#B0B0B0"))
-    ax.text(-0.3, 1.5, "mixer", ha="right", va="center")
-    ax.text(-0.3, 0.45, f"MoE {config.num_experts}\ntop-{config.num_experts_per_tok}", ha="right", va="center")
-    ax.set_xlim(-3.2, len(kinds) + 0.2)
-    ax.set_ylim(-0.6, 2.3)
-    ax.set_xticks([i + 0.45 for i in range(len(kinds))])
-    ax.set_xticklabels([str(i) if k != "mtp" else "mtp" for i, k in enumerate(kinds)], fontsize=7)
-    ax.set_yticks([])
+        ax.add_patch(Rectangle((i + 0.05, 1.05), 0.9, 0.9, color=colours[kind]))
+        ax.add_patch(Rectangle((i + 0.05, 0.0), 0.9, 0.9, color="#B0B0B0"))
+    ax.set_xlim(0, len(kinds))
+    ax.set_ylim(-0.05, 2.0)
+    ticks = [i for i, k in enumerate(kinds) if k == "mtp" or i % every == 0]
+    ax.set_xticks([i + 0.5 for i in ticks], [str(i) if kinds[i] != "mtp" else "mtp" for i in ticks])
+    ax.set_xlabel("layer")
+    ax.set_yticks([1.5, 0.45], ["mixer", f"MoE {config.num_experts}\ntop-{config.num_experts_per_tok}"])
+    ax.tick_params(length=0)
     ax.grid(False)
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
     handles = [Rectangle((0, 0), 1, 1, color=colours[k]) for k in colours if k in kinds]
-    ax.legend(handles, [labels[k] for k in colours if k in kinds], loc="upper center", ncol=3, frameon=False,
-              bbox_to_anchor=(0.55, 1.25), fontsize=8)
+    fig.legend(handles, [labels[k] for k in colours if k in kinds], loc="outside upper center", ncol=3,
+               frameon=False, handlelength=1.2, columnspacing=1.2)
     if title:
-        ax.set_title(title, pad=22)
+        ax.set_title(title)
     return fig
 
 
@@ -130,33 +133,45 @@ def bars(labels, values, ylabel: str, colour: str = TRUNK, ylim=(0, 1)):
 
 
 def bit_packing(bits: int, n_codes: int = 16):
-    """How `n_codes` codes of `bits` bits fill little-endian uint32 words: one colour per code, bit 0 on the
-    right of each word as in the integer; codes that cross a word boundary show in both words."""
+    """How `n_codes` codes of `bits` bits fill little-endian uint32 words: one colour and number per code,
+    bit 0 of each word on the right as in the integer; a code that crosses a word boundary shows in both
+    words, its low bits at the left end of one word ("lo") and its high bits at the right end of the next."""
     from matplotlib.patches import Rectangle
 
     words = (n_codes * bits + 31) // 32
-    fig, ax = plt.subplots(figsize=(8, 0.45 * words + 0.9))
-    cmap = plt.get_cmap("tab20")
+    # 32 bits across 7.6 inches leaves a bit ~21 px wide in the book, room for a two-digit number at 10 pt.
+    fig, ax = plt.subplots(figsize=(7.6, 0.45 * words + 1.0), layout="constrained")
+    light = plt.get_cmap("tab20").colors[1::2]  # the pale half, so that the numbers can be dark
     for word in range(words):
+        pieces = []  # (code, first column, last column) of each run of one code in this word
         for bit in range(32):
-            stream_bit = word * 32 + bit
-            code = stream_bit // bits
+            code = (word * 32 + bit) // bits
             if code >= n_codes:
                 continue
             x = 31 - bit
-            ax.add_patch(Rectangle((x, -word), 0.95, 0.8, color=cmap(code % 20)))
-            if stream_bit % bits == 0:
-                ax.text(x + 0.47, -word + 0.4, str(code), ha="center", va="center", fontsize=6, color="white")
-    ax.set_xlim(-0.2, 32.2)
-    ax.set_ylim(-words + 0.8, 1.1)
-    ax.set_yticks([-w + 0.4 for w in range(words)])
-    ax.set_yticklabels([f"word {w}" for w in range(words)], fontsize=8)
-    ax.set_xticks([0.47, 31.47])
-    ax.set_xticklabels(["bit 31", "bit 0"], fontsize=8)
+            # one cell per bit, white-edged, so that the bits of a code can be counted
+            ax.add_patch(Rectangle((x, -word), 1, 0.8, facecolor=light[code % len(light)], edgecolor="white", lw=1))
+            if pieces and pieces[-1][0] == code:
+                pieces[-1][1] = x
+            else:
+                pieces.append([code, x, x])
+        for code, left, right in pieces:
+            label = str(code)
+            span = right - left + 1
+            if span < bits and span >= 2:
+                # a code cut by the word boundary: its low bits end this word, its high bits start the next
+                label += " lo" if (word * 32 + 31) // bits == code else " hi"
+            ax.text((left + right + 1) / 2, -word + 0.4, label, ha="center", va="center", color="#1a1a1a")
+    ax.set_xlim(0, 32)
+    ax.set_ylim(-words + 0.9, 0.9)
+    ax.set_yticks([-w + 0.4 for w in range(words)], [f"word {w}" for w in range(words)])
+    ax.set_xticks([31 - b + 0.5 for b in (31, 24, 16, 8, 0)], ["31", "24", "16", "8", "0"])
+    ax.set_xlabel("bit of the word")
+    ax.tick_params(length=0)
     ax.grid(False)
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_title(f"{bits}-bit codes packed into uint32 words (the number marks each code's lowest bit)", fontsize=9)
+    ax.set_title(f"{bits}-bit codes packed into uint32 words, numbered in stream order", fontsize=10)
     return fig
 
 

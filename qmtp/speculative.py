@@ -57,7 +57,7 @@ class Stats:
 
     @property
     def acceptance(self) -> list[float]:
-        """Per draft position: accepted / proposed (position i is proposed only if 1..i-1 were accepted)."""
+        """Per draft position, accepted over proposed (position i is proposed only if 1..i-1 were accepted)."""
         return [a / d if d else float("nan") for a, d in zip(self.accepted, self.drafted)]
 
     @property
@@ -97,6 +97,8 @@ class Stats:
 
 @dataclass
 class Generation:
+    """What `generate` returns: the new text and tokens (the prompt's tokens apart) and the run's statistics."""
+
     text: str
     tokens: list[int]  # generated tokens only
     prompt_tokens: list[int]
