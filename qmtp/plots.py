@@ -68,54 +68,116 @@ def layer_pattern(config, title: str | None = None):
 ACCEPTED, REJECTED, TRUNK = "#54A24B", "#E45756", "#4C78A8"
 
 
-def speculative_steps(generation, tokenizer, max_steps: int = 12):
-    """One row per trunk pass: accepted drafts (green), the first rejected draft (red, struck out), and the
-    trunk's own token (blue) that every pass adds."""
-    steps = generation.stats.steps[:max_steps]
-    fig, ax = plt.subplots(figsize=(9, 0.42 * len(steps) + 0.6))
-    for row, step in enumerate(steps):
+def shown_passes(generation) -> list[tuple[list[int], int | None, int | None]]:
+    """Per trunk pass: (drafts accepted, the draft rejected or None, the trunk's own token or None), cut
+    where the generation's tokens end: its last pass may have computed tokens past `max_tokens` or the end
+    of text, which the generation drops and the pictures of it should too."""
+    left = len(generation.tokens) - 1  # the prefill chose the first
+    passes = []
+    for step in generation.stats.steps:
+        if left <= 0:
+            break
+        accepted = list(step.drafts[: step.accepted])[:left]
+        left -= len(accepted)
+        rejected = step.drafts[step.accepted] if step.accepted < len(step.drafts) and left > 0 else None
+        trunk = step.emitted[-1] if left > 0 else None
+        left -= trunk is not None
+        passes.append((accepted, rejected, trunk))
+    return passes
+
+
+def speculative_steps(generation, tokenizer, max_steps: int | None = 24):
+    """The generation as the explorer widget replays it, one row per trunk pass: first the token the prefill
+    chose (blue), then for each verify pass the drafts the trunk accepted (green), the first one it rejected
+    (red, struck out) and the trunk's own token (blue). Passes beyond `max_steps` (None: no limit) are
+    counted in a last row rather than dropped silently."""
+    from matplotlib.patches import FancyBboxPatch
+
+    steps = shown_passes(generation)
+    shown = steps if max_steps is None else steps[:max_steps]
+    rows = [("prefill", [(generation.tokens[0], TRUNK)])]
+    for i, (accepted, rejected, trunk) in enumerate(shown, 1):
+        pieces = [(d, ACCEPTED) for d in accepted]
+        if rejected is not None:
+            pieces.append((rejected, REJECTED))
+        if trunk is not None:
+            pieces.append((trunk, TRUNK))
+        rows.append((f"pass {i}", pieces))
+    hidden = len(steps) - len(shown)
+    note = f"... {hidden} more passes, not drawn (max_steps={max_steps})" if hidden else None
+
+    # Laid out in inches, one data unit to the inch, so that the figure is as wide as its longest row: a
+    # box's width follows from its characters in DejaVu Sans Mono (bundled with matplotlib), 0.602 em each.
+    size = 10
+    char, pad, gap, pitch, height = 0.602 * size / 72, 0.05, 0.06, 0.3, 0.23
+    boxes, widest = [], 0.0  # (row, x, width, text, colour)
+    for row, (_, pieces) in enumerate(rows):
         x = 0.0
-        pieces = [(d, ACCEPTED) for d in step.drafts[: step.accepted]]
-        if step.accepted < len(step.drafts):
-            pieces.append((step.drafts[step.accepted], REJECTED))
-        pieces.append((step.emitted[-1], TRUNK))
         for token, colour in pieces:
             text = repr(tokenizer.decode([token]))[1:-1] or " "
-            width = 0.12 + 0.075 * len(text)
-            ax.text(x, -row, text, color="white", fontsize=8, family="monospace", va="center",
-                    bbox=dict(boxstyle="round,pad=0.25", fc=colour, ec="none"))
-            x += width + 0.08
-    ax.set_xlim(-0.1, 8)
-    ax.set_ylim(-len(steps) + 0.4, 0.8)
-    ax.set_yticks([-r for r in range(len(steps))])
-    ax.set_yticklabels([f"pass {r + 1}" for r in range(len(steps))], fontsize=8)
+            width = len(text) * char + 2 * pad
+            boxes.append((row, x, width, text, colour))
+            x += width + gap
+        widest = max(widest, x)
+    if note:
+        widest = max(widest, 0.062 * len(note))  # its proportional font averages ~0.062 in a character
+    n_rows = len(rows) + bool(note)
+    left, right, top, bottom = 0.75, 1.9, 0.4, 0.15  # labels, legend, title
+    fig_w, fig_h = left + widest + right, top + n_rows * pitch + bottom
+    fig = plt.figure(figsize=(fig_w, fig_h))
+    ax = fig.add_axes((left / fig_w, bottom / fig_h, widest / fig_w, n_rows * pitch / fig_h))
+    for row, x, width, text, colour in boxes:
+        y = -row * pitch
+        ax.add_patch(FancyBboxPatch((x, y - height / 2), width, height, boxstyle="round,pad=0,rounding_size=0.04",
+                                    fc=colour, ec="none"))
+        ax.text(x + width / 2, y, text, ha="center", va="center_baseline", family="DejaVu Sans Mono",
+                fontsize=size, color="white", fontweight="bold")
+        if colour == REJECTED:
+            ax.plot([x + pad, x + width - pad], [y, y], color="white", lw=1.2)
+    if note:
+        ax.text(0, -len(rows) * pitch, note, va="center", style="italic", color="#555555")
+    ax.set_xlim(0, widest)
+    ax.set_ylim(-(n_rows - 0.5) * pitch, pitch / 2)
+    ax.set_yticks([-r * pitch for r in range(n_rows)], [label for label, _ in rows] + [""] * bool(note))
     ax.set_xticks([])
+    ax.tick_params(length=0)
     ax.grid(False)
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (ACCEPTED, REJECTED, TRUNK)]
-    ax.legend(handles, ["draft accepted", "draft rejected", "trunk's own token"], ncol=3, frameon=False,
-              loc="upper center", bbox_to_anchor=(0.45, 0.0), fontsize=8)
-    ax.set_title(f"after the prompt {tokenizer.decode(generation.prompt_tokens)!r}", fontsize=9, loc="left")
+    ax.legend(handles, ["draft accepted", "draft rejected", "trunk's own token"], frameon=False,
+              loc="upper left", bbox_to_anchor=(1.02, 1.0), handlelength=1.2)
+    ax.set_title(f"after the prompt {tokenizer.decode(generation.prompt_tokens)!r}", fontsize=size, loc="left")
     return fig
 
 
 def acceptance_by_position(results: dict):
     """results: n_draft -> acceptance dict (as qmtp.evaluate.acceptance returns). Two panels: acceptance
     per draft position for each n_draft, and tokens per trunk pass."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
-    for n, r in results.items():
-        left.plot(range(1, len(r["per_position"]) + 1), r["per_position"], "o-", label=f"n_draft={n}")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.4, 3.2), layout="constrained", width_ratios=(3, 2))
+    ns = list(results)
+    # Acceptance at a position hardly depends on n_draft, so the runs' points nearly coincide: each n_draft is
+    # nudged sideways and drawn with its own marker and dash, hollow, so that the ones underneath still show.
+    markers, dashes = "osD^v<>p", ["-", "--", "-.", ":"]
+    for i, n in enumerate(ns):
+        per_position = results[n]["per_position"]
+        nudge = (i - (len(ns) - 1) / 2) * 0.1
+        left.plot([p + 1 + nudge for p in range(len(per_position))], per_position, color=f"C{i}",
+                  marker=markers[i % len(markers)], ls=dashes[i % len(dashes)], ms=6, mfc="white", mew=1.5,
+                  label=f"n_draft={n}")
     left.set_xlabel("draft position")
     left.set_xticks(range(1, max(len(r["per_position"]) for r in results.values()) + 1))
     left.set_ylabel("acceptance")
     left.set_ylim(0, 1)
-    left.legend(frameon=False, fontsize=8)
-    ns = list(results)
-    right.bar([str(n) for n in ns], [results[n]["tokens_per_trunk_pass"] for n in ns], color=TRUNK)
+    left.legend(frameon=False)  # "best": wherever the lines are not
+    tokens = [results[n]["tokens_per_trunk_pass"] for n in ns]
+    right.bar([str(n) for n in ns], tokens, color=TRUNK)
+    for i, v in enumerate(tokens):
+        right.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    right.set_ylim(0, 1.12 * max(tokens))  # room for the numbers above the bars
     right.set_xlabel("n_draft")
     right.set_ylabel("tokens per trunk pass")
-    fig.tight_layout()
+    right.grid(axis="x", visible=False)
     return fig
 
 
@@ -123,7 +185,7 @@ def bars(labels, values, ylabel: str, colour: str = TRUNK, ylim=(0, 1)):
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(labels, values, color=colour)
     for i, v in enumerate(values):
-        ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+        ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=10)
     ax.set_ylabel(ylabel)
     if ylim:
         ax.set_ylim(*ylim)
@@ -139,11 +201,12 @@ def bit_packing(bits: int, n_codes: int = 16):
     from matplotlib.patches import Rectangle
 
     words = (n_codes * bits + 31) // 32
-    # 32 bits across 7.6 inches leaves a bit ~21 px wide in the book, room for a two-digit number at 10 pt.
-    fig, ax = plt.subplots(figsize=(7.6, 0.45 * words + 1.0), layout="constrained")
+    # 32 bits across 7.4 inches leaves a bit ~20 px wide in the book, room for a two-digit number at 10 pt.
+    fig, ax = plt.subplots(figsize=(7.4, 0.45 * words + 1.0), layout="constrained")
     light = plt.get_cmap("tab20").colors[1::2]  # the pale half, so that the numbers can be dark
+    split = False
     for word in range(words):
-        pieces = []  # (code, first column, last column) of each run of one code in this word
+        pieces = []  # [code, leftmost column, rightmost column] of each run of one code in this word
         for bit in range(32):
             code = (word * 32 + bit) // bits
             if code >= n_codes:
@@ -158,10 +221,13 @@ def bit_packing(bits: int, n_codes: int = 16):
         for code, left, right in pieces:
             label = str(code)
             span = right - left + 1
-            if span < bits and span >= 2:
+            if 2 <= span < bits:
                 # a code cut by the word boundary: its low bits end this word, its high bits start the next
                 label += " lo" if (word * 32 + 31) // bits == code else " hi"
-            ax.text((left + right + 1) / 2, -word + 0.4, label, ha="center", va="center", color="#1a1a1a")
+                split = True
+            # the label's background hides the bit edges it would otherwise be crossed by
+            ax.text((left + right + 1) / 2, -word + 0.4, label, ha="center", va="center", color="#1a1a1a",
+                    bbox=dict(boxstyle="square,pad=0.1", fc=light[code % len(light)], ec="none"))
     ax.set_xlim(0, 32)
     ax.set_ylim(-words + 0.9, 0.9)
     ax.set_yticks([-w + 0.4 for w in range(words)], [f"word {w}" for w in range(words)])
@@ -171,14 +237,17 @@ def bit_packing(bits: int, n_codes: int = 16):
     ax.grid(False)
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_title(f"{bits}-bit codes packed into uint32 words, numbered in stream order", fontsize=10)
+    title = f"{bits}-bit codes packed into uint32 words, numbered in stream order"
+    if split:
+        title += "\nlo, hi: the low and the high bits of a code cut by a word boundary"
+    ax.set_title(title, fontsize=10)
     return fig
 
 
 def width_curves(by_width: dict, xlabel: str):
     """Perplexity and acceptance against width (dict width -> metrics from qmtp.quality)."""
     labels = [str(w) for w in by_width]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7.4, 3))
     left.plot(labels, [m["perplexity"] for m in by_width.values()], "o-", color=TRUNK)
     left.set_ylabel("held-out perplexity")
     left.set_xlabel(xlabel)
@@ -209,7 +278,7 @@ def expert_union(report: dict, n_experts: int, top_k: int):
     ax.set_xticks(ns)
     ax.set_xlabel("tokens in the verify pass (n_draft)")
     ax.set_ylabel("distinct experts read per layer")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(frameon=False, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -232,7 +301,7 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
     ax.set_xticks(sorted({r["n_draft"] for r in rows}))
     ax.set_xlabel("n_draft")
     ax.set_ylabel("speedup over plain decoding")
-    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -257,24 +326,43 @@ def measured_vs_predicted(report: dict):
     ax.set_xticks(ns)
     ax.set_xlabel("n_draft")
     ax.set_ylabel("speedup over plain decoding")
-    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
 
-def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, unit_name: str = "GB"):
-    """Stacked bars: what one pass reads, by term (dict label -> `qmtp.throughput` breakdown)."""
-    fig, ax = plt.subplots()
+def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, unit_name: str = "GB",
+                   other_below: float = 0.01):
+    """Stacked bars: what one pass reads, by term (dict label -> `qmtp.throughput` breakdown), its total on
+    top. Terms below `other_below` of the largest total in every pass (too thin to see) are summed into one
+    "other" segment whose legend entry names them."""
+    import textwrap
+
     terms = []
     for b in breakdowns.values():
         terms += [t for t in b if t not in terms]
-    cmap = plt.get_cmap("tab20")
+    totals = [sum(b.values()) / unit for b in breakdowns.values()]
+    floor = other_below * max(totals) * unit
+    small = [t for t in terms if all(b.get(t, 0.0) < floor for b in breakdowns.values())]
+    segments = {t: [b.get(t, 0.0) / unit for b in breakdowns.values()] for t in terms if t not in small}
+    colours = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(segments)}
+    if small:
+        label = f"other (each < {100 * other_below:g}% of the tallest bar): " + ", ".join(small)
+        segments[label] = [sum(b.get(t, 0.0) for t in small) / unit for b in breakdowns.values()]
+        colours[label] = "#B0B0B0"
+
+    fig, ax = plt.subplots(figsize=(7.4, 3.6), layout="constrained")
     bottoms = [0.0] * len(breakdowns)
-    for i, term in enumerate(terms):
-        values = [b.get(term, 0.0) / unit for b in breakdowns.values()]
-        ax.bar(list(breakdowns), values, bottom=bottoms, color=cmap(i % 20), label=term)
+    handles = []
+    for term, values in segments.items():
+        handles.append(ax.bar(list(breakdowns), values, bottom=bottoms, color=colours[term],
+                              label=textwrap.fill(term, 30)))
         bottoms = [a + v for a, v in zip(bottoms, values)]
+    for i, total in enumerate(totals):
+        ax.text(i, total, f"{total:.2f}", ha="center", va="bottom")
+    ax.set_ylim(0, 1.12 * max(totals))  # room for the totals above the tallest bar
     ax.set_ylabel(f"{unit_name} read per pass")
-    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    ax.grid(axis="x", visible=False)
+    # listed top to bottom as the segments are stacked
+    fig.legend(handles[::-1], [h.get_label() for h in handles[::-1]], frameon=False, loc="outside right upper")
     return fig

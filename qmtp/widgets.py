@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from .plots import ACCEPTED, REJECTED, TRUNK
+from .plots import ACCEPTED, REJECTED, TRUNK, shown_passes
 
 
 def _span(text: str, colour: str, strike: bool = False) -> str:
@@ -18,12 +18,13 @@ def steps_html(generation, tokenizer, upto: int) -> str:
     """The text after `upto` trunk passes, each pass's tokens coloured by what happened to them."""
     parts = [html.escape(tokenizer.decode(generation.prompt_tokens))]
     parts.append(_span(tokenizer.decode([generation.tokens[0]]), TRUNK))
-    for step in generation.stats.steps[:upto]:
-        for d in step.drafts[: step.accepted]:
+    for accepted, rejected, trunk in shown_passes(generation)[:upto]:
+        for d in accepted:
             parts.append(_span(tokenizer.decode([d]), ACCEPTED))
-        if step.accepted < len(step.drafts):
-            parts.append(_span(tokenizer.decode([step.drafts[step.accepted]]), REJECTED, strike=True))
-        parts.append(_span(tokenizer.decode([step.emitted[-1]]), TRUNK))
+        if rejected is not None:
+            parts.append(_span(tokenizer.decode([rejected]), REJECTED, strike=True))
+        if trunk is not None:
+            parts.append(_span(tokenizer.decode([trunk]), TRUNK))
     return '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.8">' + "".join(parts) + "</div>"
 
 
@@ -31,7 +32,7 @@ def step_explorer(generation, tokenizer):
     """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's."""
     import ipywidgets as w
 
-    n = len(generation.stats.steps)
+    n = len(shown_passes(generation))
     slider = w.IntSlider(value=n, min=0, max=n, description="passes")
     view = w.HTML(steps_html(generation, tokenizer, n))
     slider.observe(lambda change: setattr(view, "value", steps_html(generation, tokenizer, change["new"])), "value")
