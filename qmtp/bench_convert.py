@@ -128,6 +128,8 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
     """
     if rounds < 1:
         raise UsageError(f"--rounds {rounds}: give 1 or more")
+    if not gb > 0:
+        raise UsageError(f"--gb {gb}: give a size in GB above 0")
     progress = progress or (lambda line: print(line, flush=True))
     owned = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="qmtp-bench-convert-") if owned else workdir).expanduser()

@@ -107,3 +107,6 @@ def test_bench_convert_source_reaches_the_size_asked_for():
     assert config.hidden_size == QWEN36_35B_A3B.hidden_size
     with pytest.raises(UsageError, match="at most"):
         bench_convert.source_config(100)
+    for bad in (dict(rounds=0), dict(gb=0), dict(gb=float("nan"))):
+        with pytest.raises(UsageError):
+            bench_convert.run(**bad)
