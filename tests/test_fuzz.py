@@ -118,6 +118,15 @@ def check_reads(tensors) -> None:
         assert tuple(array.shape) == info.shape
 
 
+def check_parsed(path: Path, reads: bool = False) -> None:
+    """parse(path), then check whatever read_header accepted (and, with `reads`, read each tensor back)."""
+    result = parse(path)
+    if result is not None:
+        check_consistent(path, *result)
+        if reads:
+            check_reads(result[0])
+
+
 # ---- 1. arbitrary bytes --------------------------------------------------------------------------------------
 def _with_length(n: int, rest: bytes = b"") -> bytes:
     return struct.pack("<Q", n) + rest
@@ -138,9 +147,7 @@ def _with_length(n: int, rest: bytes = b"") -> bytes:
 def test_arbitrary_bytes(scratch, data):
     path = scratch / "arbitrary.safetensors"
     path.write_bytes(data)
-    result = parse(path)
-    if result is not None:
-        check_consistent(path, *result)
+    check_parsed(path)
 
 
 @fuzz(200)
@@ -149,10 +156,7 @@ def test_arbitrary_header_bytes_with_right_length(scratch, header, data, skew):
     """Random header bytes behind a length field that (nearly) matches, so the JSON parser sees them."""
     path = scratch / "arbitrary_header.safetensors"
     path.write_bytes(_with_length(max(len(header) + skew, 0), header + data))
-    result = parse(path)
-    if result is not None:
-        check_consistent(path, *result)
-        check_reads(result[0])
+    check_parsed(path, reads=True)
 
 
 # ---- 2. structured headers -------------------------------------------------------------------------------------
@@ -324,10 +328,7 @@ def test_structured_headers(scratch, case, skew):
     raw, data = case.raw, case.data
     path = scratch / "structured.safetensors"
     path.write_bytes(_with_length(max(len(raw) + skew, 0), raw + data))
-    result = parse(path)
-    if result is not None:
-        check_consistent(path, *result)
-        check_reads(result[0])
+    check_parsed(path, reads=True)
 
 
 def _write_header(path: Path, text: str, data: bytes = b"\x00" * 16) -> None:
@@ -390,9 +391,7 @@ def test_nesting_at_the_parsers_limit(scratch, template):
     path = scratch / "deep.safetensors"
     for depth in range(max(limit - 12, 1), limit + 3):
         _write_header(path, template % ("[" * depth + "]" * depth))
-        result = parse(path)
-        if result is not None:
-            check_consistent(path, *result)
+        check_parsed(path)
 
 
 def test_valid_zero_size_and_scalar_tensors_still_parse(scratch):
