@@ -8,7 +8,7 @@ snapshot is its length, and rolling back is moving the length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -52,10 +52,6 @@ class KVCache:
             raise ValueError(f"cannot trim a KV cache of length {self.offset} to {length}")
         self.offset = length
 
-    @property
-    def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
-
 
 class LinearCache:
     """Gated DeltaNet state: the last K-1 conv inputs [B, K-1, C] and the recurrent matrix S [B, Hv, Dk, Dv].
@@ -87,10 +83,6 @@ class LinearCache:
         self.offset -= n - keep
         self.history = []
 
-    @property
-    def state(self):
-        return [a for a in (self.conv, self.recurrent) if a is not None]
-
 
 @dataclass
 class ModelCache:
@@ -98,7 +90,6 @@ class ModelCache:
 
     layers: list
     head: KVCache | None = None
-    head_extra: dict = field(default_factory=dict)
 
     @property
     def offset(self) -> int:
@@ -120,8 +111,11 @@ class ModelCache:
                 c.record = record
                 c.history = []
 
-    def state(self):
-        out = [a for c in self.layers for a in c.state]
-        if self.head is not None:
-            out += self.head.state
-        return out
+    def rewind(self, keep: int, n_last: int) -> None:
+        """Keep the first `keep` of the `n_last` positions the last call added to every trunk layer (the
+        linear-attention layers must have recorded that call: `set_record(True)`)."""
+        for c in self.layers:
+            if isinstance(c, LinearCache):
+                c.rewind(keep)
+            else:
+                c.trim_to(c.offset - (n_last - keep))

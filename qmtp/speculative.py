@@ -44,7 +44,6 @@ class Stats:
     n_draft: int
     prompt_tokens: int = 0
     generated: int = 0
-    trunk_passes: int = 0
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
     prefill_seconds: float = 0.0
@@ -52,8 +51,17 @@ class Stats:
     head_seconds: float = 0.0
     rollback_seconds: float = 0.0
     experts_per_pass: list[list[int]] = field(default_factory=list)  # per verify pass, per layer: distinct experts
-    tokens_per_pass: list[int] = field(default_factory=list)  # tokens each verify pass ran through the trunk
     steps: list[Step] = field(default_factory=list)
+
+    @property
+    def trunk_passes(self) -> int:
+        """Decode or verify passes (a replay after a partial accept is not counted: it is rollback work)."""
+        return len(self.steps)
+
+    @property
+    def tokens_per_pass(self) -> list[int]:
+        """Tokens each pass ran through the trunk: the pending token and the drafts."""
+        return [1 + len(s.drafts) for s in self.steps]
 
     @property
     def acceptance(self) -> list[float]:
@@ -120,7 +128,11 @@ class _Sampler:
     def choose(self, logits: np.ndarray) -> int:
         if self.temperature == 0:
             return int(np.argmax(logits))
-        return int(self.rng.choice(len(logits), p=self.probs(logits)))
+        return self.draw(self.probs(logits))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token from `probs` (already softmaxed: the caller keeps them for the acceptance test)."""
+        return int(self.rng.choice(len(probs), p=probs))
 
 
 def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: int, temperature: float, seed,
@@ -232,9 +244,11 @@ def generate(
 
         head_cache = KVCache()
 
-    def trunk_pass(tokens):
+    def trunk_pass(tokens, last_only: bool = False):
         pre, post = model.trunk(tokens if isinstance(tokens, mx.array) else mx.array([tokens]), cache)
-        logits = model.logits(post)
+        # The prefill needs the next token's scores only: lm_head over every prompt position would cost
+        # prompt length x vocabulary x hidden for one row that is used. Verify passes need every row.
+        logits = model.logits(post[:, -1:] if last_only else post)
         return (post if hidden == "post" else pre), logits
 
     greedy = temperature == 0
@@ -242,7 +256,7 @@ def generate(
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     started = time.perf_counter()
-    h, logits = trunk_pass(prompt_tokens)
+    h, logits = trunk_pass(prompt_tokens, last_only=True)
     last = logits[0, -1].astype(mx.float32)
     # Damaged weights (NaN/Inf) give NaN logits, whose argmax is an arbitrary token: stop here instead.
     finite = mx.isfinite(last).all()
@@ -280,8 +294,6 @@ def generate(
             next_token = int(token.item())
             if logs is not None:
                 expert_logs.append(logs)
-            stats.tokens_per_pass.append(1)
-            stats.trunk_passes += 1
             stats.steps.append(Step([], 0, [next_token]))
             out.append(next_token)
         stats.trunk_seconds = time.perf_counter() - t0
@@ -304,10 +316,10 @@ def generate(
                     chosen.append(d)
                     d = d.reshape(1, 1)
                 else:
-                    draft_logits = np.array(draft_logits)
-                    d = sampler.choose(draft_logits)
+                    q = sampler.probs(np.array(draft_logits))
+                    d = sampler.draw(q)
                     drafts.append(d)
-                    draft_probs.append(sampler.probs(draft_logits))
+                    draft_probs.append(q)
                     d = mx.array([[d]])
                 if i + 1 < k:
                     z = drafter(z, model.embed_tokens(d), head_cache)
@@ -329,9 +341,7 @@ def generate(
             trunk_choices = mx.argmax(logits[0].astype(mx.float32), axis=-1).tolist()
         else:
             verify_logits = np.array(logits[0].astype(mx.float32))
-        stats.tokens_per_pass.append(len(verify_tokens))
         stats.trunk_seconds += time.perf_counter() - t0
-        stats.trunk_passes += 1
 
         # ---- accept --------------------------------------------------------------------------------------------
         accepted, next_token = 0, None
@@ -346,7 +356,7 @@ def generate(
                 if not ok:
                     residual = np.maximum(p - q, 0.0)
                     total = residual.sum()
-                    next_token = int(sampler.rng.choice(len(p), p=residual / total)) if total > 0 else sampler.choose(verify_logits[i])
+                    next_token = sampler.draw(residual / total) if total > 0 else sampler.draw(p)
             if not ok:
                 if greedy:
                     next_token = trunk_choices[i]
@@ -361,11 +371,7 @@ def generate(
         keep = accepted + 1  # the pending token and the accepted drafts
         if keep < len(verify_tokens):
             if rollback == "record":
-                for layer_cache in cache.layers:
-                    if hasattr(layer_cache, "rewind"):
-                        layer_cache.rewind(keep)
-                    else:
-                        layer_cache.trim_to(layer_cache.offset - (len(verify_tokens) - keep))
+                cache.rewind(keep, len(verify_tokens))
             else:
                 cache.restore(snapshot)
                 h_verify, _ = trunk_pass(verify_tokens[:keep])
