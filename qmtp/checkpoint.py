@@ -275,7 +275,6 @@ class Checkpoint:
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
-MX_TO_SAFETENSORS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint32": "U32", "int32": "I32", "uint8": "U8"}
 
 
 def tensor_bytes(array) -> memoryview:

@@ -45,10 +45,10 @@ class RowSplitLinear:
         return mx.concatenate(outputs, axis=-1)
 
 
-def split_lm_head(linear: nn.Module | None, parts: int | None = None) -> RowSplitLinear | None:
+def split_lm_head(linear: nn.Module, parts: int | None = None) -> RowSplitLinear | None:
     """A RowSplitLinear for `linear` when splitting pays (CPU, several cores, a wide weight), else None.
     `QMTP_CORES=1` turns it off; `QMTP_CORES=N` sets the number of blocks."""
-    if linear is None or mx.default_device() != mx.cpu or "bias" in linear:
+    if mx.default_device() != mx.cpu or "bias" in linear:
         return None
     if parts is None:
         parts = int(os.environ.get("QMTP_CORES", 0)) or min(MAX_STREAMS, os.cpu_count() or 1)

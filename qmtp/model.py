@@ -29,12 +29,9 @@ from .errors import CheckpointError, QmtpError
 from .moe import SparseMoE
 from .mtp import MTPHead
 from .norms import RMSNorm
+from .sizes import FLOAT32_SUFFIXES
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
-
-# Kept in float32 whatever the model dtype: the decay rates exp(A_log) are sensitive to rounding.
-FLOAT32_PARAMETERS = (".A_log",)
-
 
 # Decode and verify passes (a few tokens, with a cache) run each layer as compiled functions of its input
 # and its state: mx.compile traces the layer once per input shape, fuses its elementwise work and replays
@@ -140,7 +137,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         self.mtp = MTPHead(config, routed_experts=head_routed_experts) if head and config.has_mtp else None
         self.fixes_applied: tuple[str, ...] = ()
-        self._lm_head_split = False  # qmtp.cores: lm_head in row blocks on several CPU streams (None: not worth it)
+        self._lm_head_split = None  # qmtp.cores: lm_head in row blocks on several CPU streams, set by load()
         self.path: Path | None = None
         self.tokenizer = None
 
@@ -157,8 +154,6 @@ class Model(nn.Module):
         """Score hidden states with lm_head (shared by trunk and head)."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.as_linear(h)
-        if self._lm_head_split is False or (self._lm_head_split and self._lm_head_split.linear is not self.lm_head):
-            self._lm_head_split = cores.split_lm_head(self.lm_head)  # on first use: after loading and quantizing
         return self._lm_head_split(h) if self._lm_head_split else self.lm_head(h)
 
     def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> mx.array:
@@ -268,7 +263,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
             continue  # head tensors when the head is not loaded
         w = fixes_mod.apply(name, reader.materialise(recipe), applying)
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            w = w.astype(mx.float32 if name.endswith(FLOAT32_PARAMETERS) else dtype)
+            w = w.astype(mx.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
         mx.eval(w)
         weights.append((name, w))
     loaded = {name for name, _ in weights}
@@ -282,6 +277,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     model.fixes_applied = tuple(f for f in fixes_mod.FIXES if f in done or f in applying)
     for fix in fixes_mod.still_needed(model.fixes_applied, has_conv=conv_shape is not None):
         warnings.warn(f"{path}: loaded without the {fix!r} fix: {fixes_mod.WITHOUT[fix]}", stacklevel=2)
+    if not config.tie_word_embeddings:  # after quantize_layers: lm_head is its final module now
+        model._lm_head_split = cores.split_lm_head(model.lm_head)
     model.path = path
     if tokenizer and (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer

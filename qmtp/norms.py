@@ -27,14 +27,9 @@ class RMSNorm(nn.Module):
         return (self.weight.astype(mx.float32) * rms_normalise(x, self.eps)).astype(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """y = weight * rmsnorm(x) * silu(z): the output norm of gated DeltaNet (plain weight, never shifted)."""
 
-    def __init__(self, dims: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = mx.ones((dims,))
-
     def __call__(self, x: mx.array, z: mx.array) -> mx.array:
-        normed = (self.weight.astype(mx.float32) * rms_normalise(x, self.eps)).astype(x.dtype)
+        normed = super().__call__(x)
         return (normed.astype(mx.float32) * nn.silu(z.astype(mx.float32))).astype(x.dtype)

@@ -41,7 +41,8 @@ UNQUANTIZED = 16
 """A width meaning: not quantized, stored in the checkpoint dtype."""
 
 FLOAT32_SUFFIXES = (".A_log",)
-"""Tensors stored in float32 whatever the checkpoint dtype (as qmtp.model.FLOAT32_PARAMETERS)."""
+"""Tensors stored and loaded in float32 whatever the checkpoint dtype (convert writes them so, load keeps them
+so): the decay rates exp(A_log) are sensitive to rounding."""
 
 CATEGORIES = (
     "routed experts",
