@@ -189,7 +189,7 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
-    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items() if fixes_mod.is_conv_kernel(n)), None)
+    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
     recorded = fixes_mod.recorded(ckpt.metadata)
     carried = fixes_mod.already_applied(ckpt.metadata, conv_shape)
     source = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"

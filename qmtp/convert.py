@@ -217,8 +217,7 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     ckpt = Checkpoint(src)  # CheckpointError when there are no weights
 
     plan = layout.plan(ckpt, config)
-    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items()
-                       if fixes_mod.is_conv_kernel(n)), None)
+    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
     reason = converted_reason(ckpt, raw_config, conv_shape)
     if reason:
         raise UsageError(f"{src}: is already converted ({reason}); converting it again would shift the norms a "
@@ -243,8 +242,7 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     needed = sum(t.nbytes for t in policy.values())
     _check_disk_space(dst, needed + DISK_MARGIN + sum(f.stat().st_size for f in _tokenizer_files(src)))
 
-    applying = fixes_mod.to_apply(fixes_mod.FIXES, ckpt.metadata, conv_shape)
-    done = tuple(f for f in fixes_mod.FIXES if f in applying or f in fixes_mod.already_applied(ckpt.metadata, conv_shape))
+    applying = done = fixes_mod.FIXES  # a source with a fix already in it was refused above
     digest = source_digest(ckpt)
     settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
                     router_group_size=ROUTER_GROUP_SIZE, lm_head_bits=lm_head_bits, embed_bits=bits)

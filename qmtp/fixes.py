@@ -72,6 +72,12 @@ def is_conv_kernel(name: str) -> bool:
     return name.endswith(".linear_attn.conv1d.weight")
 
 
+def stored_conv_shape(ckpt, plan) -> tuple[int, ...] | None:
+    """The shape a checkpoint stores its first conv kernel in (None without linear-attention layers): its
+    layout tells whether the fixes were applied already."""
+    return next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items() if is_conv_kernel(n)), None)
+
+
 def shift_norm(w):
     """Stored w -> effective 1 + w, computed in float32, returned in w's dtype."""
     import mlx.core as mx

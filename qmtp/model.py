@@ -249,7 +249,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
                 stacklevel=2,
             )
 
-    conv_shape = next((ckpt.infos[r.sources[0]].shape for n, r in plan.recipes.items() if n.endswith("conv1d.weight")), None)
+    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
     done = fixes_mod.already_applied(ckpt.metadata, conv_shape)
     applying = fixes_mod.to_apply(requested, ckpt.metadata, conv_shape)
 
