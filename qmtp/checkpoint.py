@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import tempfile
 import os
 import struct
 from dataclasses import dataclass
@@ -275,6 +276,40 @@ class Checkpoint:
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder, fsynced, then renamed: a reader
+    sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            # mkstemp makes the file private (0600): give it the mode open() would, so others can read the model
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+
+def hash_headers(digest, files) -> None:
+    """Feed each safetensors file's name and JSON header (not its tensor data) into `digest`, in name order:
+    what identifies a checkpoint without reading its weights."""
+    for file in sorted(map(Path, files), key=lambda f: f.name):
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                (length,) = struct.unpack("<Q", head)
+                digest.update(file.name.encode() + b"\0" + f.read(min(length, MAX_HEADER_BYTES)))
+
+
 
 
 def tensor_bytes(array) -> memoryview:

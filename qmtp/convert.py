@@ -63,7 +63,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import time
 import warnings
 from collections import Counter
@@ -75,7 +74,7 @@ import numpy as np
 from . import __version__
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import DTYPES, INDEX_NAME, Checkpoint, tensor_bytes, write_safetensors
+from .checkpoint import DTYPES, INDEX_NAME, Checkpoint, hash_headers, tensor_bytes, write_safetensors
 from .config import ModelConfig
 from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
 from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
@@ -172,10 +171,7 @@ def source_digest(ckpt: Checkpoint) -> str:
     h = hashlib.sha256()
     if ckpt.index is not None:
         h.update((ckpt.path / INDEX_NAME).read_bytes())
-    for file in sorted(ckpt.files, key=lambda f: f.name):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            h.update(file.name.encode() + b"\0" + f.read(length))
+    hash_headers(h, ckpt.files)
     return h.hexdigest()
 
 

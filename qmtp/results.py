@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
+from .checkpoint import hash_headers, write_atomic
 from .errors import QmtpError
 
 ENV = "QMTP_RESULTS"
@@ -42,12 +42,7 @@ def model_key(path) -> str:
     """`<folder name>-<12 hex digits>`: sha256 of config.json and every safetensors header of the model."""
     path = Path(path)
     digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) == 8:
-                (length,) = struct.unpack("<Q", head)
-                digest.update(file.name.encode() + b"\0" + f.read(min(length, 100_000_000)))
+    hash_headers(digest, path.glob("*.safetensors"))
     return f"{path.name}-{digest.hexdigest()[:12]}"
 
 
@@ -62,10 +57,8 @@ def save(chapter: str, path, values: dict, start: Path | None = None) -> Path:
     """
     target = folder(path, start) / f"{chapter}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
-    partial.write_text(json.dumps({"chapter": chapter, "model": str(path), "values": values}, indent=1,
-                                  default=_plain) + "\n")
-    os.replace(partial, target)
+    write_atomic(target, (json.dumps({"chapter": chapter, "model": str(path), "values": values}, indent=1,
+                                     default=_plain) + "\n").encode())
     return target
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from qmtp.checkpoint import write_atomic
 from qmtp.errors import CheckpointError, UsageError
 
 __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
@@ -73,26 +73,6 @@ def train_bpe(
     return tok
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp makes the file private (0600): give it the mode open() would, so others can read the model
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def save(
     tokenizer: tokenizers.Tokenizer | Tokenizer,
     directory: str | os.PathLike[str],
@@ -138,8 +118,8 @@ def save(
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
-    _write_atomic(directory / TOKENIZER_FILE, raw.to_str(pretty=True).encode("utf-8"))
-    _write_atomic(
+    write_atomic(directory / TOKENIZER_FILE, raw.to_str(pretty=True).encode("utf-8"))
+    write_atomic(
         directory / CONFIG_FILE,
         (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
     )
