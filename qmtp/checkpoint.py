@@ -299,6 +299,43 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 
+def array_bytes(array: np.ndarray, dtype: str) -> bytes:
+    """A numpy array's bytes in safetensors dtype `dtype`; BF16 rounded by MLX (numpy has no bfloat16)."""
+    if dtype == "BF16":
+        import mlx.core as mx
+
+        return np.asarray(mx.array(array).astype(mx.bfloat16).view(mx.uint16)).tobytes()
+    return np.ascontiguousarray(array, dtype=DTYPES[dtype][0]).tobytes()
+
+
+def shard_groups(sizes: list[int], shards: int, can_start=lambda i: True) -> list[list[int]]:
+    """Indices of `sizes` cut into at most `shards` consecutive runs of about equal bytes; a run starts only
+    at an index where `can_start(i)` (a quantized weight's scales and biases stay with its codes)."""
+    if shards <= 1:
+        return [list(range(len(sizes)))]
+    target = sum(sizes) / shards
+    groups, current, filled = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and can_start(i) and filled + size > target * (len(groups) + 1) and len(groups) < shards - 1:
+            groups.append(current)
+            current = []
+        current.append(i)
+        filled += size
+    groups.append(current)
+    return groups
+
+
+def shard_name(i: int, n: int) -> str:
+    """The usual name of shard `i` (from 1) of `n`."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int, **metadata) -> None:
+    """The index of a sharded checkpoint: which file holds each tensor."""
+    index = {"metadata": {"total_size": total_size, **metadata}, "weight_map": weight_map}
+    (Path(directory) / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def hash_headers(digest, files) -> None:
     """Feed each safetensors file's name and JSON header (not its tensor data) into `digest`, in name order:
     what identifies a checkpoint without reading its weights."""

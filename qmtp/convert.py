@@ -74,7 +74,8 @@ import numpy as np
 from . import __version__
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import DTYPES, INDEX_NAME, Checkpoint, hash_headers, tensor_bytes, write_safetensors
+from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, shard_groups, shard_name, tensor_bytes,
+                         write_index, write_safetensors)
 from .config import ModelConfig
 from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
 from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
@@ -468,13 +469,18 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
             return data
         return run
 
-    groups = _shard_groups(list(enumerate(entries)), shards)
-    files = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    # scales and biases stay in the file of their codes
+    groups = shard_groups([e[2] for e in entries], shards,
+                          can_start=lambda i: not entries[i][0].endswith(layout.QUANTIZED_PARTS))
+    files = ["model.safetensors"] if len(groups) == 1 else [shard_name(i, len(groups)) for i in range(1, len(groups) + 1)]
     previous_limit = mx.set_cache_limit(cache_limit) if cache_limit is not None else None
     try:
         for file, group in zip(files, groups):
-            write_safetensors(directory / file, [(n, d, s, counted(i)) for i, (n, d, _, s, _) in group], metadata)
+            tensors = []
+            for i in group:
+                name, dtype, _, shape, _ = entries[i]
+                tensors.append((name, dtype, shape, counted(i)))
+            write_safetensors(directory / file, tensors, metadata)
     finally:
         ahead.close()
         bar.close()
@@ -482,9 +488,8 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
             mx.set_cache_limit(previous_limit)
         mx.clear_cache()
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(e[2] for e in entries), "format": "mlx"},
-                 "weight_map": {e[0]: file for file, group in zip(files, groups) for _, e in group}}
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(directory, {entries[i][0]: file for file, group in zip(files, groups) for i in group},
+                    sum(e[2] for e in entries), format="mlx")
     return files
 
 
@@ -509,22 +514,3 @@ class _Ahead:
         for future in self.futures.values():
             future.cancel()
         self.pool.shutdown(wait=True)  # a tensor in progress finishes before the caller cleans up
-
-
-def _shard_groups(entries, shards: int) -> list[list]:
-    """Cut the (index, entry) pairs into at most `shards` runs of about equal bytes, never between a weight and
-    its scales and biases."""
-    if shards <= 1:
-        return [entries]
-    target = sum(e[2] for _, e in entries) / shards
-    groups, current, filled = [], [], 0
-    for item in entries:
-        entry = item[1]
-        whole = not entry[0].endswith(layout.QUANTIZED_PARTS)  # scales and biases stay with their codes
-        if current and whole and filled + entry[2] > target * (len(groups) + 1) and len(groups) < shards - 1:
-            groups.append(current)
-            current = []
-        current.append(item)
-        filled += entry[2]
-    groups.append(current)
-    return groups

@@ -16,7 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import fixes as fixes_mod
-from .checkpoint import write_safetensors
+from .checkpoint import array_bytes, write_safetensors
 from .convert import replace_directory
 from .layout import stored_entries
 from .model import Model
@@ -34,10 +34,6 @@ def stored_form(name: str, w: mx.array) -> np.ndarray:
     return np.array(w)
 
 
-def _bf16_bytes(array: np.ndarray) -> bytes:
-    return np.asarray(mx.array(array).astype(mx.bfloat16).view(mx.uint16)).tobytes()
-
-
 def export_released(model: Model, dest: str | Path, training_dir: str | Path | None = None) -> Path:
     """Write config.json, model.safetensors and the tokenizer to `dest` (replaced atomically)."""
     dest = Path(dest)
@@ -48,7 +44,7 @@ def export_released(model: Model, dest: str | Path, training_dir: str | Path | N
     config = model.config
     (tmp / "config.json").write_text(json.dumps(config.to_released_dict(), indent=2) + "\n")
     entries = [
-        (name, "BF16", shape, lambda p=produce: _bf16_bytes(p()))
+        (name, "BF16", shape, lambda p=produce: array_bytes(p(), "BF16"))
         for name, shape, produce in stored_entries(
             config, "released", lambda n, shape: stored_form(n, params[n]), head=model.mtp is not None,
             head_experts=model.mtp is not None and model.mtp.has_routed_experts, head_experts_fused=True,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import fixes as fixes_mod
-from .checkpoint import DTYPES, INDEX_NAME, write_safetensors
+from .checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
 from .config import ModelConfig
 from .errors import UsageError
 from .layout import LAYOUTS, expected_shapes, stored_entries
@@ -112,14 +112,6 @@ def _config_json(config: ModelConfig, layout: str) -> dict:
     return text
 
 
-def _to_bytes(array: np.ndarray, dtype: str) -> bytes:
-    if dtype == "BF16":
-        import mlx.core as mx
-
-        return np.asarray(mx.array(array).astype(mx.bfloat16).view(mx.uint16)).tobytes()
-    return np.ascontiguousarray(array, dtype=DTYPES[dtype][0]).tobytes()
-
-
 def write_checkpoint(
     directory: str | Path,
     config: ModelConfig,
@@ -146,7 +138,7 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(_config_json(config, layout), indent=2))
 
     entries = [
-        (name, dtype, shape, (lambda p=produce: _to_bytes(p(), dtype)))
+        (name, dtype, shape, (lambda p=produce: array_bytes(p(), dtype)))
         for name, shape, produce in stored_entries(
             config, layout, lambda n, shape: stored_value(n, shape, seed), head and config.has_mtp, head_experts,
             head_experts_fused, expert_value=lambda n, e, shape: expert_value(n, e, shape, seed),
@@ -157,20 +149,11 @@ def write_checkpoint(
         return directory
 
     sizes = [int(np.prod(e[2], dtype=np.int64)) * DTYPES[dtype][2] for e in entries]
-    target = sum(sizes) / shards
-    groups, current, filled = [], [], 0
-    for entry, size in zip(entries, sizes):
-        if current and filled + size > target * (len(groups) + 1) and len(groups) < shards - 1:
-            groups.append(current)
-            current = []
-        current.append(entry)
-        filled += size
-    groups.append(current)
+    groups = shard_groups(sizes, shards)
     weight_map = {}
     for i, group in enumerate(groups, 1):
-        shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        write_safetensors(directory / shard, group, {"format": "pt"}, sparse=sparse)
-        weight_map.update({e[0]: shard for e in group})
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        shard = shard_name(i, len(groups))
+        write_safetensors(directory / shard, [entries[j] for j in group], {"format": "pt"}, sparse=sparse)
+        weight_map.update({entries[j][0]: shard for j in group})
+    write_index(directory, weight_map, sum(sizes))
     return directory
