@@ -36,11 +36,11 @@ MAX_EXPERTS = 256
 def source_config(gb: float):
     """The real widths, 4 layers, vocabulary 32768, and the fewest routed experts (a multiple of 8, at most
     256) that make the bf16 checkpoint at least `gb` GB."""
-    from .config import QWEN36_35B_A3B, default_layer_types
+    from .bench import SCALED_REAL_WIDTHS
+    from .config import QWEN36_35B_A3B
     from .sizes import UNQUANTIZED, sizes
 
-    base = QWEN36_35B_A3B.replace(num_hidden_layers=4, layer_types=default_layer_types(4), vocab_size=32768,
-                                  max_position_embeddings=4096)
+    base = QWEN36_35B_A3B.replace(**SCALED_REAL_WIDTHS)  # bench decode's widths; the experts are set below
     for experts in range(8, MAX_EXPERTS + 1, 8):
         config = base.replace(num_experts=experts)
         if sizes(config, bits=UNQUANTIZED).total_bytes >= gb * 1e9:
@@ -56,6 +56,7 @@ def write_source(directory, config) -> Path:
     from .errors import QmtpError
     from .model import BUNDLED_MODEL
     from .synthetic import write_checkpoint
+    from .tokenizer import CONFIG_FILE, TOKENIZER_FILE
 
     directory = Path(directory)
     if (directory / "model.safetensors").is_file():
@@ -67,7 +68,7 @@ def write_source(directory, config) -> Path:
     partial = directory.with_name(directory.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     write_checkpoint(partial, config, dtype="BF16")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in (TOKENIZER_FILE, CONFIG_FILE):
         shutil.copyfile(BUNDLED_MODEL / name, partial / name)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(partial, directory)
@@ -106,8 +107,7 @@ def measure(command: list[str], out: Path, log: Path) -> dict:
     if process.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"{' '.join(command[:4])} ... failed with status {process.returncode}: {tail[0]}")
-    # ru_maxrss is in kilobytes on Linux, in bytes on macOS
-    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peak = _rss_bytes(usage.ru_maxrss)
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return {"seconds": seconds, "peak_rss_bytes": peak, "output_bytes": written}
 
@@ -116,7 +116,12 @@ def launcher_peak_bytes() -> int:
     """This process's own peak RSS: the floor under every command's measured peak (see _in_fresh_process)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return _rss_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def _rss_bytes(maxrss: int) -> int:
+    """ru_maxrss in bytes: the kernel reports kilobytes on Linux, bytes on macOS."""
+    return maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, rounds: int = 2, config=None,

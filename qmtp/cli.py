@@ -107,13 +107,10 @@ def _width(text: str):
 
 
 def convert(args) -> int:
-    import warnings
-
     from .convert import convert as run
 
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = _warn_line
+        warnings.simplefilter("always")  # every warning about the source, even one seen before in this process
         result = run(args.src, args.dst, bits=args.bits, group_size=args.group_size, mtp_bits=args.mtp_bits,
                      router_bits=args.router_bits, lm_head_bits=args.lm_head_bits, shards=args.shards,
                      force=args.force, allow_incomplete_head=args.allow_incomplete_head, progress=not args.quiet)

@@ -237,7 +237,8 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
                    lm_head_bits=_width(lm_head_bits), dtype_bytes=DTYPES[dtype][2], router_group_size=ROUTER_GROUP_SIZE)
     policy = {t.name: t for t in report.tensors if t.name in plan.recipes}  # a head may be absent or partial
     needed = sum(t.nbytes for t in policy.values())
-    _check_disk_space(dst, needed + DISK_MARGIN + sum(f.stat().st_size for f in _tokenizer_files(src)))
+    tokenizer_files = _tokenizer_files(src)
+    _check_disk_space(dst, needed + DISK_MARGIN + sum(f.stat().st_size for f in tokenizer_files))
 
     applying = done = fixes_mod.FIXES  # a source with a fix already in it was refused above
     digest = source_digest(ckpt)
@@ -262,11 +263,11 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
         files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=cache_limit)
         config_out = dict(raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
-        config_out["quantization_config"] = writer.quantization_block(bits, group_size)
+        config_out["quantization_config"] = dict(config_out["quantization"])
         config_out["qmtp"] = {"version": __version__, "fixes": list(done), **settings, "head": head,
                               "source_digest": digest}
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
-        for f in _tokenizer_files(src):
+        for f in tokenizer_files:
             shutil.copyfile(f, tmp / f.name)
         replace_directory(tmp, dst)
     except OSError as err:  # disk full, permissions: nothing that looks complete stays behind
@@ -362,8 +363,7 @@ class _TensorWriter:
     def __init__(self, ckpt, plan, config, policy, dtype, applying):
         self.plan, self.policy, self.dtype, self.applying = plan, policy, dtype, applying
         self.reader = layout.Reader(ckpt, config)
-        self.shapes = layout.expected_shapes(config, head=True)
-        self.names = [n for n in self.shapes if n in policy]  # trunk, then head, as the config orders them
+        self.names = list(policy)  # trunk, then head, in the config's order (that of `sizes`)
         self.pending: dict[str, object] = {}
         self.streams = None  # made on first use, by the thread that quantizes
         self.entries, self.record = [], {}
@@ -372,10 +372,10 @@ class _TensorWriter:
             following = self.names[i + 1] if i + 1 < len(self.names) else None
             if t.bits is None:
                 out_dtype = "F32" if name.endswith(FLOAT32_SUFFIXES) else dtype
-                self._add(key, out_dtype, self.shapes[name], lambda n=name, d=out_dtype, f=following: self._plain(n, d, f))
+                self._add(key, out_dtype, t.shape, lambda n=name, d=out_dtype, f=following: self._plain(n, d, f))
                 self.record[key] = {"bits": None, "group_size": None, "dtype": out_dtype}
             else:
-                codes, groups = layout.quantized_shapes(self.shapes[name], t.bits, t.group_size)
+                codes, groups = layout.quantized_shapes(t.shape, t.bits, t.group_size)
                 stem = key[: -len(".weight")]
                 self._add(key, "U32", codes, lambda n=name, f=following: self._quantize(n, f))
                 self._add(stem + ".scales", dtype, groups, lambda n=name: self._take(n, 1))

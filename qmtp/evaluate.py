@@ -141,7 +141,7 @@ def predicted_acceptance(model: Model, prompt: list[int], generated: list[int]) 
     return {"proposed": proposed, "accepted": accepted, "rate": accepted / proposed if proposed else float("nan")}
 
 
-def logit_agreement(model_a: Model, model_b, texts: list[str], length: int = 128, tokenizer=None) -> dict:
+def logit_agreement(model_a: Model, model_b, texts: list[str], length: int = 128) -> dict:
     """How close two models' logits are on the same text: top-1 agreement and relative error.
 
     `model_b` may be any callable that maps tokens [B, T] to logits (an mlx-lm model, for instance).

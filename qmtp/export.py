@@ -20,8 +20,9 @@ from .checkpoint import array_bytes, write_safetensors
 from .convert import replace_directory
 from .layout import stored_entries
 from .model import Model
+from .tokenizer import CONFIG_FILE, TOKENIZER_FILE
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)
 
 
 def stored_form(name: str, w: mx.array) -> np.ndarray:

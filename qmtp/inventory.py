@@ -63,9 +63,9 @@ def markdown_table(rows: list[dict], columns: list[str], formats: dict | None = 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+            break
         n /= 1000
-    return f"{n}"
+    return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
 
 
 def human_count(n: float) -> str:
@@ -76,8 +76,3 @@ def human_count(n: float) -> str:
     if n >= 1e3:
         return f"{n / 1e3:.1f} K"
     return str(int(n))
-
-
-def tensor_count_note(rows: list[dict]) -> str:
-    total = sum(r["tensors"] for r in rows)
-    return f"{total} stored tensors, {human_count(sum(r['parameters'] for r in rows))} parameters"

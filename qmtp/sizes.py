@@ -124,6 +124,16 @@ class SizeReport:
     tensors: list[TensorSize] = field(repr=False)
     settings: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, tensors: list[TensorSize], settings: dict) -> "SizeReport":
+        """Sum `tensors` by part (trunk or head) and category."""
+        trunk = {c: 0 for c in CATEGORIES}
+        head = {c: 0 for c in CATEGORIES}
+        for t in tensors:
+            (head if t.is_head else trunk)[t.category] += t.nbytes
+        trunk_bytes, head_bytes = sum(trunk.values()), sum(head.values())
+        return cls(trunk_bytes, head_bytes, trunk_bytes + head_bytes, trunk, head, tensors, settings)
+
     def table(self) -> list[tuple[str, int, int, int]]:
         """Rows (category, trunk bytes, head bytes, total bytes) for the categories present, then "total"."""
         rows = [(c, self.trunk[c], self.head[c], self.trunk[c] + self.head[c])
@@ -196,15 +206,10 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
             element = 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes
             tensors.append(TensorSize(name, shape, category(name, shape), None, None, math.prod(shape) * element))
 
-    trunk = {c: 0 for c in CATEGORIES}
-    head = {c: 0 for c in CATEGORIES}
-    for t in tensors:
-        (head if t.is_head else trunk)[t.category] += t.nbytes
-    trunk_bytes, head_bytes = sum(trunk.values()), sum(head.values())
     settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
                     router_group_size=router_group_size, embed_bits=embed_width, lm_head_bits=lm_head_width,
                     dtype_bytes=dtype_bytes)
-    return SizeReport(trunk_bytes, head_bytes, trunk_bytes + head_bytes, trunk, head, tensors, settings)
+    return SizeReport.of(tensors, settings)
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:

@@ -164,7 +164,7 @@ def sizes_of(model) -> SizeReport:
     on the CPU, or codes + scales + biases when quantized), as a report shaped like `qmtp.sizes.sizes`."""
     from mlx.utils import tree_flatten
 
-    from .sizes import CATEGORIES, TensorSize, category
+    from .sizes import TensorSize, category
 
     parts: dict[str, dict] = {}
     for name, w in tree_flatten(model.parameters()):
@@ -176,12 +176,7 @@ def sizes_of(model) -> SizeReport:
         weight = arrays.get("weight", next(iter(arrays.values())))
         shape = tuple(weight.shape)
         tensors.append(TensorSize(name, shape, category(name, shape), None, None, sum(a.nbytes for a in arrays.values())))
-    trunk = {c: 0 for c in CATEGORIES}
-    head = {c: 0 for c in CATEGORIES}
-    for t in tensors:
-        (head if t.is_head else trunk)[t.category] += t.nbytes
-    trunk_bytes, head_bytes = sum(trunk.values()), sum(head.values())
-    return SizeReport(trunk_bytes, head_bytes, trunk_bytes + head_bytes, trunk, head, tensors, {"source": "model in memory"})
+    return SizeReport.of(tensors, {"source": "model in memory"})
 
 
 # ---- 3. time of a pass ----------------------------------------------------------------------------------------
