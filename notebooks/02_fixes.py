@@ -32,7 +32,7 @@ from qmtp import evaluate, inventory, mistakes, results
 warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
 path = inventory.model_path()
 print(inventory.describe(path))
-texts = [t for docs in evaluate.heldout_by_register(8).values() for t in docs]
+texts = evaluate.heldout_texts(8)
 prompt = "Once upon a time, a little fox named"
 
 # %% [markdown]

@@ -95,7 +95,7 @@ except qmtp.QmtpError as err:
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     original, roundtrip = qmtp.load(path), qmtp.load(workdir / "q8")
-texts = [t for docs in evaluate.heldout_by_register(3).values() for t in docs]
+texts = evaluate.heldout_texts(3)
 close = evaluate.logit_agreement(roundtrip, original, texts)
 norms_equal = all(
     (roundtrip.layers[i].input_layernorm.weight == original.layers[i].input_layernorm.weight).all().item()

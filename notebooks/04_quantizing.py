@@ -98,9 +98,8 @@ Markdown(inventory.markdown_table(rows, list(rows[0]), {"relative RMS error": "{
 # text.
 
 # %%
-texts_by_register = evaluate.heldout_by_register(2)
-texts = [t for docs in texts_by_register.values() for t in docs]
-prompts = [p for docs in texts_by_register.values() for p in evaluate.prompts_from(docs, model)]
+texts = evaluate.heldout_texts(2)
+prompts = evaluate.heldout_prompts(model, 2)
 trunk = quality.by_trunk_width(path, texts, prompts, widths=(8, 6, 4, 3, 2))
 reference = evaluate.text_metrics(model, texts)
 table = [{"trunk bits": "bf16 (source)", "trunk MB": sizes.sizes(model.config, bits=sizes.UNQUANTIZED).trunk_bytes / 1e6,

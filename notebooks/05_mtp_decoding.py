@@ -31,7 +31,7 @@ path = inventory.model_path()
 print(inventory.describe(path))
 model = qmtp.load(path)
 texts = evaluate.heldout_by_register(2)
-prompts = [p for docs in texts.values() for p in evaluate.prompts_from(docs, model)]
+prompts = evaluate.heldout_prompts(model, 2)
 MAX_TOKENS = 40
 
 # %% [markdown]

@@ -38,8 +38,7 @@ path = inventory.model_path()
 print(inventory.describe(path))
 model = qmtp.load(path)
 QUICK = os.environ.get("QMTP_QUICK") == "1"
-texts = evaluate.heldout_by_register(1)
-prompts = [p for docs in texts.values() for p in evaluate.prompts_from(docs, model)]
+prompts = evaluate.heldout_prompts(model, 1)
 MAX_TOKENS, REPEATS = (16, 1) if QUICK else (32, 3)
 E, k = model.config.num_experts, model.config.num_experts_per_tok
 

@@ -47,12 +47,13 @@ def measure(model_dir: Path, per_register: int = 40, prompts_per_register: int =
             out["fixes"][label] = {"fixes": list(fixes), "error": str(err).splitlines()[0]}
 
     model = load(model_dir)
+    all_prompts = []
     for register, docs in texts.items():
         metrics = evaluate.text_metrics(model, docs).as_dict()
         prompts = evaluate.prompts_from(docs[:prompts_per_register], model)
         metrics["acceptance_n_draft_2"] = evaluate.acceptance(model, prompts, n_draft=2, max_tokens=max_tokens)
         out["registers"][register] = metrics
-    all_prompts = [p for docs in texts.values() for p in evaluate.prompts_from(docs[:prompts_per_register], model)]
+        all_prompts += prompts
     out["acceptance"] = {
         str(n): evaluate.acceptance(model, all_prompts, n_draft=n, max_tokens=max_tokens) for n in range(2, 6)
     }

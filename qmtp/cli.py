@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .corpus import REGISTERS
 from .errors import QmtpError, UsageError
 
 
@@ -255,7 +256,7 @@ def bench(args) -> int:
         prompts = _bench_prompts(model, args.prompts_per_register)
     else:
         n_prompts = args.prompts or (2 if scaled else 5)
-        prompts = _bench_prompts(model, -(-n_prompts // 5))[:n_prompts]
+        prompts = _bench_prompts(model, -(-n_prompts // len(REGISTERS)))[:n_prompts]
     if args.bench == "decode":
         report = benchmarks.decode(model, prompts, args.max_tokens, args.repeats)
         print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved rounds, "
@@ -271,13 +272,12 @@ def bench(args) -> int:
 
 def _bench_prompts(model, per_register: int) -> list[list[int]]:
     """Held-out text prompts when the model has a tokenizer, else random token ids (fixed seed)."""
-    from .evaluate import heldout_by_register, prompts_from
+    from .evaluate import heldout_prompts
 
     if model.tokenizer is not None:
-        texts = heldout_by_register(per_register)
-        return [p for docs in texts.values() for p in prompts_from(docs, model)]
+        return heldout_prompts(model, per_register)
     rng = np.random.default_rng(0)
-    return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(5 * per_register)]
+    return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(len(REGISTERS) * per_register)]
 
 
 def _require_mlx_lm(what: str) -> None:

@@ -27,6 +27,7 @@ extends the list without changing the ones before it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -1038,19 +1039,20 @@ def splits(
     }
 
 
+@functools.lru_cache(maxsize=4)  # every chapter and test asks for the same split; generating it takes seconds
 def unseen_heldout(
     seed: int = 0,
     n_train: int = DEFAULT_N_TRAIN,
     n_heldout: int = DEFAULT_N_HELDOUT,
     registers: Sequence[str] = REGISTERS,
-) -> list[tuple[str, str]]:
-    """The held-out documents whose text never occurs in the training split.
+) -> tuple[tuple[str, str], ...]:
+    """The held-out documents whose text never occurs in the training split (a tuple: it is cached).
 
     Predictable registers repeat documents by chance (see `splits`); a held-out document that is also a
     training document measures memory, not generalisation, so evaluation uses only the unseen ones.
     """
-    parts = splits(seed, n_train, n_heldout, registers)
-    return drop_seen(parts["heldout"], parts["train"])
+    parts = splits(seed, n_train, n_heldout, tuple(registers))
+    return tuple(drop_seen(parts["heldout"], parts["train"]))
 
 
 def drop_seen(heldout: list[tuple[str, str]], train: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -44,6 +44,16 @@ def heldout_by_register(per_register: int = 40, seed: int = 0, n_train: int = co
     return out
 
 
+def heldout_texts(per_register: int = 40) -> list[str]:
+    """`heldout_by_register`'s documents, register after register, in one list."""
+    return [t for docs in heldout_by_register(per_register).values() for t in docs]
+
+
+def heldout_prompts(model: Model, per_register: int = 40) -> list[list[int]]:
+    """Prompts (`prompts_from`) from `per_register` held-out documents of each register, register after register."""
+    return [p for docs in heldout_by_register(per_register).values() for p in prompts_from(docs, model)]
+
+
 def _windows(model: Model, texts: list[str], length: int) -> np.ndarray:
     """Documents as the model was trained on them (each after an end-of-text token), cut into rows."""
     tok = model.tokenizer

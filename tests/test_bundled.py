@@ -48,14 +48,13 @@ def test_card_is_rendered_from_the_measurements():
 
 
 def test_acceptance_at_one_draft_is_at_least_0_6(model):
-    texts = evaluate.heldout_by_register(2)
-    prompts = [p for docs in texts.values() for p in evaluate.prompts_from(docs, model)]
+    prompts = evaluate.heldout_prompts(model, 2)
     result = evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)
     assert result["rate"] >= 0.6, result
 
 
 def test_text_needs_the_norm_fix(model):
-    texts = [t for docs in evaluate.heldout_by_register(3).values() for t in docs]
+    texts = evaluate.heldout_texts(3)
     fixed = evaluate.text_metrics(model, texts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
