@@ -16,7 +16,7 @@
 #
 # A checkpoint is a set of safetensors files: each starts with a JSON header that names every tensor,
 # its dtype, its shape and where its bytes lie. Everything in this chapter is read from those headers
-# alone, so it runs the same on the bundled tiny model and on the 70 GB release
+# alone, so it runs the same on the bundled tiny model and on the full release
 # (`QMTP_MODEL=/path/to/Qwen3.6-35B-A3B`).
 
 # %%

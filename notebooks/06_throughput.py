@@ -65,8 +65,11 @@ glue("union_n5_measured", by_n[5]["experts_per_pass_measured"], display=False)
 glue("union_n5_formula", by_n[5]["experts_per_layer_independent"], display=False)
 ratio5 = by_n[5]["union_measured_over_independent"]
 glue("union_n5_ratio", ratio5, display=False)
-glue("union_verdict", "close to the formula: on this model neighbouring tokens route almost independently"
-     if ratio5 >= 0.9 else "well below the formula: neighbouring tokens share many of their experts", display=False)
+glue("union_verdict", "The measured union is close to the formula: neighbouring tokens route almost independently "
+     "here, and the union grows almost linearly with the tokens of the pass, so the expert bytes of a verify pass "
+     "are nearly those of n separate passes" if ratio5 >= 0.9 else
+     "The measured union is well below the formula: neighbouring tokens share many of their experts, so a verify "
+     "pass reads clearly fewer expert bytes than n separate passes", display=False)
 glue("tiny_E", E, display=False)
 glue("tiny_k", k, display=False)
 fig = plots.expert_union(report, E, k)
@@ -75,9 +78,7 @@ fig = plots.expert_union(report, E, k)
 # With `E` = {glue:text}`tiny_E` and `k` = {glue:text}`tiny_k`, a pass over two tokens read
 # {glue:text}`union_n2_measured:.1f` experts per layer on average (the formula: {glue:text}`union_n2_formula:.1f`),
 # a pass over five {glue:text}`union_n5_measured:.1f` (formula {glue:text}`union_n5_formula:.1f`, a ratio of
-# {glue:text}`union_n5_ratio:.2f`). Whatever the correlation between neighbouring tokens saves, the union
-# grows almost linearly with the tokens of the pass: the expert bytes of a verify pass are nearly those of
-# `n` separate passes.
+# {glue:text}`union_n5_ratio:.2f`). {glue:text}`union_verdict`.
 #
 # ## Bytes into time
 #
@@ -90,11 +91,16 @@ fig = plots.expert_union(report, E, k)
 # $$t = \frac{\text{bytes}}{\text{bandwidth}} + \text{overhead},$$
 #
 # the overhead being what a pass costs whatever its width (launching kernels, Python, waiting for the
-# host). For the real Qwen3.6-35B-A3B at 4 bits and a 4096-token context:
+# host). For the real Qwen3.6-35B-A3B at {glue:text}`real_bits`-bit and a {glue:text}`context`-token context:
 
 # %%
-CONTEXT, BANDWIDTH = 4096, 256 * throughput.GB
-real4 = sizes(QWEN36_35B_A3B, 4, mtp_bits=4)
+CONTEXT, BANDWIDTH, BITS = 4096, 256 * throughput.GB, 4
+real4 = sizes(QWEN36_35B_A3B, BITS, mtp_bits=BITS)
+glue("real_bits", BITS, display=False)
+glue("context", CONTEXT, display=False)
+glue("bandwidth_gb", BANDWIDTH / throughput.GB, display=False)
+glue("claim_acc2", CLAIMS["acceptance_n_draft_2"].value, display=False)
+glue("claim_acc3", CLAIMS["acceptance_n_draft_3"].value, display=False)
 passes = {
     "1 token": throughput.trunk_pass_bytes(QWEN36_35B_A3B, real4, 1, CONTEXT),
     "verify 2": throughput.trunk_pass_bytes(QWEN36_35B_A3B, real4, 2, CONTEXT),
@@ -112,7 +118,7 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 
 # %% [markdown]
 # One token reads {glue:text}`real_gb_token:.2f` GB, {glue:text}`real_expert_share:.0%` of it routed
-# experts: at 256 GB/s (a unified-memory APU) that is {glue:text}`real_ms_token:.1f` ms, at most
+# experts: at {glue:text}`bandwidth_gb:.0f` GB/s (a unified-memory APU) that is {glue:text}`real_ms_token:.1f` ms, at most
 # {glue:text}`real_tps_bound:.0f` tokens/s. A verify pass over two tokens reads
 # {glue:text}`real_gb_verify2:.2f` GB, and each head step another {glue:text}`real_gb_head:.2f` GB, most of
 # it lm_head.
@@ -126,8 +132,8 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 #
 # tokens, and costs one verify pass plus $n_\text{draft} - 1$ head steps against $\tau$ plain passes
 # (`throughput.predicted_speedup`). A dense model of the same active size reads the same weights for a
-# verify pass as for one token, so its drafts cost only the head. The rates below are the reported 0.78
-# at `n_draft=2` and 0.59 at `n_draft=3`, read as the first two positions and shrinking by the same ratio
+# verify pass as for one token, so its drafts cost only the head. The rates below are the reported
+# {glue:text}`claim_acc2` at `n_draft=2` and {glue:text}`claim_acc3` at `n_draft=3`, read as the first two positions and shrinking by the same ratio
 # after (`throughput.geometric_rates`); the machine is purely memory-bound (no overhead).
 
 # %%

@@ -20,6 +20,7 @@ from pathlib import Path
 from . import corpus, evaluate
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .train import TOKENIZER_SAMPLE_BYTES
 from .model import load
 
 PROMPTS = (
@@ -103,7 +104,8 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
         f"Corpus: `qmtp.corpus.splits(seed={training['seed']}, n_train={training['n_train']}, "
         f"n_heldout={training['n_heldout']})`, registers {', '.join(corpus.REGISTERS)}; held-out documents that also",
         "occur verbatim in training are excluded from every measurement (`qmtp.corpus.unseen_heldout`).",
-        f"Tokenizer: byte-level BPE, {config.vocab_size} tokens, trained on the first 2 MB of the training split.",
+        f"Tokenizer: byte-level BPE, {config.vocab_size} tokens, trained on the first "
+        f"{TOKENIZER_SAMPLE_BYTES / 1e6:g} MB of the training split.",
         "",
         f"Training: `{TRAINING_COMMAND.format(**training)}` (batch {training['batch']} x "
         f"{training['length']} tokens, {training['tokens']:,} tokens seen, {training['elapsed'] / 60:.0f} minutes on "
@@ -163,11 +165,11 @@ def training_record(train_dir: Path) -> dict:
     if heldout:
         final["heldout_trunk"], final["heldout_head"] = heldout[-1]["heldout_trunk"], heldout[-1]["heldout_head"]
     return {
+        "cores": os.cpu_count(),  # runs from before run.json recorded the training machine's cores
         **run,
         "steps": progress["step"],
         "tokens": history[-1]["tokens"],
         "elapsed": progress["elapsed"],
-        "cores": os.cpu_count(),
         "final": final,
     }
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .claims import CLAIMS
 from .config import FULL, LINEAR, ModelConfig
 from .sizes import SizeReport, sizes
 
@@ -261,15 +262,18 @@ def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_dra
     """Predicted tokens/s and speedup vs n_draft for Qwen3.6-35B-A3B (MoE) and a dense model of equal active
     size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s.
 
-    rates: per-position acceptance; default 0.78 and 0.59 (the reported rates at n_draft 2 and 3, read as the
-    first two positions) shrinking geometrically after. mtp_bits: "same" (the head at the trunk's width), None
+    rates: per-position acceptance; default the reported rates at n_draft 2 and 3 (`qmtp.claims.CLAIMS`), read
+    as the first two positions, shrinking geometrically after. mtp_bits: "same" (the head at the trunk's width), None
     (bf16) or a width. overhead: seconds per trunk pass and per head step beyond reading bytes.
     """
     from .config import QWEN36_35B_A3B
 
     config = config or QWEN36_35B_A3B
     n_drafts = list(n_drafts)
-    rates = list(rates) if rates is not None else geometric_rates(0.78, 0.59, max(n_drafts) - 1)
+    if rates is None:
+        rates = geometric_rates(CLAIMS["acceptance_n_draft_2"].value, CLAIMS["acceptance_n_draft_3"].value,
+                                max(n_drafts) - 1)
+    rates = list(rates)
     machine = Machine(bandwidth, overhead, overhead)
     rows = []
     for b in bits:

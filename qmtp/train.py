@@ -34,7 +34,9 @@ from .config import ModelConfig
 from .model import Model
 
 # The tiny model: real layer pattern and expert count, toy widths. 8 trunk layers + the head's layer,
-# each with 256 experts of intermediate width 16: ~7.5 M parameters, ~15 MB in bf16.
+# each with 256 experts of intermediate width 16 (its parameter count and size are in its model card).
+TOKENIZER_SAMPLE_BYTES = 2_000_000  # the tokenizer is trained on the first this many bytes of the training split
+
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=8,
@@ -151,7 +153,7 @@ def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size:
     for _, text in docs["train"]:
         sample.append(text)
         size += len(text)
-        if size > 2_000_000:
+        if size > TOKENIZER_SAMPLE_BYTES:
             break
     backend = tok.train_bpe(sample, vocab_size=vocab_size)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +226,7 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
     out.mkdir(parents=True, exist_ok=True)
     run = {"steps": steps, "batch": batch, "length": length, "lr": lr, "seed": seed, "quick": quick,
            "mtp_weight": mtp_weight, "balance_weight": balance_weight, "n_train": n_train, "n_heldout": n_heldout,
-           "vocab_size": vocab_size}
+           "vocab_size": vocab_size, "cores": os.cpu_count()}  # the machine that trains, for the card
     (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     data = prepare_data(out, seed, n_train, n_heldout, vocab_size)
     tokenizer = data["tokenizer"]
