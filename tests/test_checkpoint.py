@@ -15,7 +15,7 @@ import pytest
 
 import mlx.core as mx
 
-from helpers import expect
+from helpers import expect, rewrite
 import qmtp
 from qmtp import layout, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
@@ -56,38 +56,6 @@ def listing(ckpt: Checkpoint) -> dict:
 # ---- editing safetensors files in place --------------------------------------------------------------------
 def file_of(directory, name):
     return Checkpoint(directory).infos[name].file
-
-
-def rewrite(file, drop=(), replace=None, add=None):
-    """Rewrite one safetensors file: drop tensors, replace some by zeros of another (dtype, shape), add some.
-
-    `replace` and `add` map a name to (dtype, shape); the other tensors keep their bytes and order.
-    """
-    replace, add = replace or {}, add or {}
-    infos, metadata = read_header(file)
-    entries = []
-
-    def raw(info):
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            return f.read(info.nbytes)
-
-    def zeros(dtype, shape):
-        width = {"F32": 4, "BF16": 2, "F16": 2}[dtype]
-        return b"\0" * (int(np.prod(shape, dtype=np.int64)) * width)
-
-    for name, info in infos.items():
-        if name in drop:
-            continue
-        if name in replace:
-            dtype, shape = replace[name]
-            entries.append((name, dtype, shape, lambda d=dtype, s=shape: zeros(d, s)))
-        else:
-            data = raw(info)
-            entries.append((name, info.dtype, info.shape, lambda b=data: b))
-    for name, (dtype, shape) in add.items():
-        entries.append((name, dtype, shape, lambda d=dtype, s=shape: zeros(d, s)))
-    write_safetensors(file, entries, metadata)
 
 
 def edit_config(directory, **text_fields):

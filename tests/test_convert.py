@@ -15,7 +15,7 @@ import pytest
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from helpers import expect, one_line_error
+from helpers import expect, one_line_error, relative_error, rewrite
 import qmtp
 from qmtp import cli, layout, synthetic
 from qmtp import convert as convert_mod
@@ -30,11 +30,6 @@ SEED = 5
 TOKENS = mx.array([[5, 17, 3, 88, 41, 2, 60, 9, 33, 71, 12, 50, 8, 1, 94, 27, 30, 61, 7, 44]])
 LONG = mx.array([[(7 * i + 3) % CONFIG.vocab_size for i in range(48)]])  # 96 token-expert pairs: the sorted path
 EXPERTS = [f"mtp.layers.0.mlp.switch_mlp.{p}_proj" for p in ("gate", "up", "down")]
-
-
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def f32(array) -> np.ndarray:
@@ -412,19 +407,9 @@ def test_an_unquantized_mlx_lm_conversion_is_refused(source, tmp_path, metadata)
 def test_conv_in_mlx_layout_is_refused(tmp_path):
     """A checkpoint whose norms were shifted (conv kernels already [C, K, 1]) under the release's names."""
     src = write(tmp_path / "src")
-    infos, metadata = read_header(src / "model.safetensors")
-    from qmtp.checkpoint import write_safetensors
-
-    entries = []
-    for name, info in infos.items():
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.nbytes)
-        shape = info.shape
-        if name.endswith("conv1d.weight"):
-            shape = (shape[0], shape[2], 1)
-        entries.append((name, info.dtype, shape, lambda d=data: d))
-    write_safetensors(src / "model.safetensors", entries, metadata)
+    infos, _ = read_header(src / "model.safetensors")
+    rewrite(src / "model.safetensors", reshape={name: (info.shape[0], info.shape[2], 1) for name, info in infos.items()
+                                                if name.endswith("conv1d.weight")})
     expect(UsageError, lambda: quiet_convert(src, tmp_path / "out"), "already converted", "conv")
 
 
@@ -451,18 +436,7 @@ def test_source_without_config_or_weights(source, tmp_path):
 
 def test_missing_trunk_tensor(tmp_path):
     src = write(tmp_path / "src")
-    infos, metadata = read_header(src / "model.safetensors")
-    from qmtp.checkpoint import write_safetensors
-
-    entries = []
-    for name, info in infos.items():
-        if name == "model.language_model.layers.2.linear_attn.dt_bias":
-            continue
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.nbytes)
-        entries.append((name, info.dtype, info.shape, lambda d=data: d))
-    write_safetensors(src / "model.safetensors", entries, metadata)
+    rewrite(src / "model.safetensors", drop=["model.language_model.layers.2.linear_attn.dt_bias"])
     expect(QmtpError, lambda: quiet_convert(src, tmp_path / "out"), "layers.2.linear_attn.dt_bias", "missing")
 
 

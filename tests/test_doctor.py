@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from qmtp import cli, quant, synthetic
-from qmtp.checkpoint import Checkpoint, read_header, write_safetensors
+from qmtp.checkpoint import Checkpoint
 from qmtp.convert import convert
-from helpers import one_line_error
+from helpers import one_line_error, rewrite
 
 CONFIG = synthetic.small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
@@ -20,19 +20,6 @@ def run(capsys, *argv):
     out, err = capsys.readouterr()
     return status, out, err
 
-
-
-def drop(file, name):
-    infos, metadata = read_header(file)
-    entries = []
-    for n, info in infos.items():
-        if n == name:
-            continue
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.nbytes)
-        entries.append((n, info.dtype, info.shape, lambda d=data: d))
-    write_safetensors(file, entries, metadata)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +74,7 @@ def test_head_missing_altogether(capsys, tmp_path):
 
 def test_head_missing_one_tensor(capsys, tmp_path):
     path = write(tmp_path / "m")
-    drop(path / "model.safetensors", "mtp.norm.weight")
+    rewrite(path / "model.safetensors", drop=["mtp.norm.weight"])
     status, out, err = run(capsys, path)
     assert status == 2
     one_line_error(err, "mtp.norm.weight", "missing")
@@ -95,7 +82,7 @@ def test_head_missing_one_tensor(capsys, tmp_path):
 
 def test_missing_trunk_tensor(capsys, tmp_path):
     path = write(tmp_path / "m")
-    drop(path / "model.safetensors", "model.language_model.layers.1.linear_attn.A_log")
+    rewrite(path / "model.safetensors", drop=["model.language_model.layers.1.linear_attn.A_log"])
     status, out, err = run(capsys, path)
     assert status == 2
     assert "MISSING layers.1.linear_attn.A_log" in out

@@ -6,12 +6,8 @@ import pytest
 import mlx.core as mx
 
 import qmtp
+from helpers import relative_error
 from qmtp import synthetic
-
-
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.fixture(scope="module")

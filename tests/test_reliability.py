@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import helpers
 import qmtp
+from helpers import rewrite
 from qmtp import cache as cache_mod
 from qmtp import corpus, synthetic
-from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
+from qmtp.checkpoint import INDEX_NAME, Checkpoint
 from qmtp.errors import QmtpError, UsageError
 from qmtp.tokenizer import save, train_bpe
 
@@ -59,13 +61,9 @@ def lines(text: str) -> list[str]:
 
 def one_line_error(result: subprocess.CompletedProcess, *fragments) -> str:
     """Status 2, one line on stderr, that line a qmtp error holding every fragment; no traceback."""
-    err = lines(result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 2, (result.returncode, result.stderr)
-    assert len(err) == 1 and err[0].startswith("qmtp: error: "), result.stderr
-    for fragment in fragments:
-        assert str(fragment) in err[0], f"{fragment!r} not in: {err[0]}"
-    return err[0]
+    return helpers.one_line_error(result.stderr, *fragments)
 
 
 def tree_digest(directory: Path) -> dict[str, str]:
@@ -107,23 +105,6 @@ def converted(good):
     result = run("convert", good, dst, "--quiet")
     assert result.returncode == 0, result.stderr
     return dst
-
-
-def rewrite(file: Path, replace: dict):
-    """Rewrite a safetensors file with some tensors replaced by zeros of another (dtype, shape)."""
-    infos, metadata = read_header(file)
-    entries = []
-    for name, info in infos.items():
-        if name in replace:
-            dtype, shape = replace[name]
-            data = bytes(int(np.prod(shape)) * {"F32": 4, "F64": 8, "I32": 4}[dtype])
-        else:
-            with open(info.file, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.nbytes)
-            dtype, shape = info.dtype, info.shape
-        entries.append((name, dtype, shape, lambda d=data: d))
-    write_safetensors(file, entries, metadata)
 
 
 def edit_config(path: Path, drop=(), **fields):
@@ -181,17 +162,17 @@ def missing_shard(path):
 
 
 def wrong_shape(path):
-    rewrite(path / "model.safetensors", {UP: ("F32", (25, 32))})
+    rewrite(path / "model.safetensors", replace={UP: ("F32", (25, 32))})
     return [path / "model.safetensors", repr(UP), "has shape [25, 32]", "implies [24, 32]"]
 
 
 def wrong_dtype(path):
-    rewrite(path / "model.safetensors", {UP: ("I32", (24, 32))})
+    rewrite(path / "model.safetensors", replace={UP: ("I32", (24, 32))})
     return [path / "model.safetensors", repr(UP), "stored as I32", "floating-point dtype (BF16/F16/F32)"]
 
 
 def wide_dtype(path):
-    rewrite(path / "model.safetensors", {UP: ("F64", (24, 32))})
+    rewrite(path / "model.safetensors", replace={UP: ("F64", (24, 32))})
     return [path / "model.safetensors", repr(UP), "stored as F64", "BF16/F16/F32"]
 
 
