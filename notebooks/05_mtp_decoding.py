@@ -23,7 +23,6 @@
 
 # %%
 import qmtp
-from IPython.display import Markdown, display
 from myst_nb import glue
 from qmtp import evaluate, inventory, mtp, plots, results, widgets
 

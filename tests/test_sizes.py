@@ -3,7 +3,6 @@
 import math
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from qmtp.config import QWEN36_35B_A3B

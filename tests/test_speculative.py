@@ -1,7 +1,5 @@
 """Speculative decoding is lossless: greedy returns plain greedy's tokens, sampling keeps the trunk's law."""
 
-import itertools
-
 import mlx.core as mx
 import numpy as np
 import pytest
