@@ -82,7 +82,7 @@ def text_metrics(model: Model, texts: list[str], length: int = 128, batch: int =
         correct += float(mx.sum(trunk_top == targets))
         count += targets.size
         if model.mtp is not None:
-            head_logits = model.logits(model.mtp(h[:, :-1], model.embed_tokens(inputs[:, 1:])))
+            head_logits = model.logits(model.head_states(h, inputs))
             head_top = mx.argmax(head_logits, axis=-1)
             head_correct += float(mx.sum(head_top == targets[:, 1:]))
             agree += float(mx.sum(head_top == trunk_top[:, 1:]))

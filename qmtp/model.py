@@ -173,9 +173,11 @@ class Model(nn.Module):
 
     def mtp_logits(self, tokens: mx.array, prenorm: bool = False) -> mx.array:
         """Teacher-forced head logits [B, T-1, vocab]: position t from h_t and x_{t+1}, predicting x_{t+2}."""
-        head = self.require_head()
-        h = self.hidden_states(tokens, prenorm=prenorm)[:, :-1]
-        return self.logits(head(h, self.embed_tokens(tokens[:, 1:])))
+        return self.logits(self.head_states(self.hidden_states(tokens, prenorm=prenorm), tokens))
+
+    def head_states(self, h: mx.array, tokens: mx.array) -> mx.array:
+        """The head's output [B, T-1, H] from trunk states `h` [B, T, H] already computed for `tokens` [B, T]."""
+        return self.require_head()(h[:, :-1], self.embed_tokens(tokens[:, 1:]))
 
     def make_cache(self) -> ModelCache:
         layers = [LinearCache() if kind == LINEAR else KVCache() for kind in self.config.layer_types]

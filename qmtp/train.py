@@ -104,8 +104,7 @@ def losses(model: Model, batch: mx.array, balance: bool = True) -> dict[str, mx.
         mlp.balance_log = [] if balance else None
     _, h = model.trunk(inputs)
     trunk_ce = nn.losses.cross_entropy(model.logits(h), targets).mean()
-    head_state = model.mtp(h[:, :-1], model.embed_tokens(inputs[:, 1:]))
-    head_ce = nn.losses.cross_entropy(model.logits(head_state), targets[:, 1:]).mean()
+    head_ce = nn.losses.cross_entropy(model.logits(model.head_states(h, inputs)), targets[:, 1:]).mean()
     terms = [t for mlp in mlps for t in (mlp.balance_log or [])]
     for mlp in mlps:
         mlp.balance_log = None
