@@ -128,7 +128,8 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
         elif m := _EXPERT_STACKED.match(name):
             recipes[key(f"{m['mlp']}.experts.{m['proj']}_proj.weight")] = Recipe("copy", (stored,))
         elif m := _FUSED_LINEAR.match(name):
-            parts = ("q", "k", "v", "z") if m["which"] == "qkvz" else ("b", "a")
+            # adjacent recipes of one source: the Reader keeps it read for the next one
+            parts = ("qkv", "z") if m["which"] == "qkvz" else ("b", "a")
             for p in parts:
                 recipes[key(f"{m['attn']}.{_UNFUSED_NAME[p]}")] = Recipe("unfuse", (stored,), (p,))
         else:
@@ -147,14 +148,6 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
             "stack", tuple(by_index[e] for e in range(config.num_experts))
         )
 
-    # Qwen3-Next's q, k, v parts become one in_proj_qkv, as in the split layout.
-    for name in [n for n in recipes if ".linear_attn.in_proj_q." in n]:
-        attn, part = name.split(".in_proj_q")
-        src = recipes.pop(name).sources
-        recipes.pop(f"{attn}.in_proj_k{part}")
-        recipes.pop(f"{attn}.in_proj_v{part}")
-        recipes[f"{attn}.in_proj_qkv{part}"] = Recipe("unfuse", src, ("qkv",))
-
     known = expected_shapes(config, head=True)
     for name in list(recipes):
         if weight_name(name) not in known:
@@ -171,10 +164,8 @@ def weight_name(name: str) -> str:
     return name
 
 
-_UNFUSED_NAME = {
-    "q": "in_proj_q.weight",
-    "k": "in_proj_k.weight",
-    "v": "in_proj_v.weight",
+_UNFUSED_NAME = {  # Qwen3-Next's fused parts, as the split layout names them
+    "qkv": "in_proj_qkv.weight",
     "z": "in_proj_z.weight",
     "b": "in_proj_b.weight",
     "a": "in_proj_a.weight",
