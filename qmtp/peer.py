@@ -1,0 +1,110 @@
+"""mlx-vlm's own Qwen3.5/3.6 MTP speculative decoding, on the same checkpoint, as a peer engine for the benchmarks.
+
+mlx-vlm (the `peer` extra) loads the released layout itself: its qwen3_5_moe model drops the `mtp.*` tensors,
+adds 1 to the zero-centred norms and transposes conv1d; its qwen3_5_mtp drafter takes the `mtp.*` tensors from
+the same folder (the same two fixes applied), shares the trunk's embedding and lm_head, and drafts
+autoregressively with its own KV cache. Nothing of mlx-vlm is imported before an engine is built: the base
+install does not have it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from .errors import CheckpointError, UsageError
+
+INSTALL_HINT = "pip install -e '.[peer]'"
+
+
+def available() -> str | None:
+    """None if mlx-vlm with Qwen3.5/3.6 MTP drafting can be imported, else why not, in one line."""
+    try:
+        import mlx_vlm
+    except ImportError:
+        return f"mlx-vlm is not installed: {INSTALL_HINT}"
+    try:
+        from mlx_vlm.generate.ar import generate_step  # noqa: F401
+        from mlx_vlm.speculative.drafters.mtp_split import MTP_SPLITTERS
+    except ImportError as err:
+        return f"mlx-vlm {mlx_vlm.__version__} has no speculative drafters ({err}): {INSTALL_HINT}"
+    if "qwen3_5_moe" not in MTP_SPLITTERS:
+        return f"mlx-vlm {mlx_vlm.__version__} has no MTP drafter for qwen3_5_moe: {INSTALL_HINT}"
+    return None
+
+
+def _cast(module, dtype):
+    from mlx.utils import tree_map
+
+    module.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+                           module.parameters()))
+    mx.eval(module.parameters())
+    return module
+
+
+class MlxVlmEngine:
+    """The checkpoint at `path` in mlx-vlm, trunk and MTP drafter, floating parameters cast to `dtype`
+    (default qmtp's compute dtype: float32 on the CPU, whose gather_mm computes only float32)."""
+
+    def __init__(self, path=None, dtype=None):
+        reason = available()
+        if reason:
+            raise UsageError(reason)
+        import mlx_vlm
+        from mlx_vlm.speculative.drafters import load_drafter
+        from mlx_vlm.utils import load_model
+
+        from .model import default_dtype, resolve_path
+
+        self.path = resolve_path(path)
+        self.dtype = dtype or default_dtype()
+        self.version = mlx_vlm.__version__
+        try:
+            self.model = _cast(load_model(self.path), self.dtype)
+            self.drafter = _cast(load_drafter(str(self.path), kind="mtp")[0], self.dtype)
+        except (ValueError, KeyError, FileNotFoundError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"{self.path}: mlx-vlm {self.version} cannot load it: {first_line}") from None
+
+    def generate(self, prompt_tokens: list[int], max_tokens: int, n_draft: int) -> dict:
+        """Greedy decoding of `max_tokens` tokens (no stop at EOS); `n_draft` counts the trunk's own token as
+        qmtp does (1: plain decoding, 2: one MTP draft per trunk pass; mlx-vlm's block size is the same number).
+
+        Returns `tokens`; `seconds` from the first generated token to the last (prefill excluded, as in
+        `qmtp.bench`); `passes`, the trunk passes after the prefill; and, when drafting, `acceptance` (accepted
+        drafts over proposed ones) and `acceptance_per_position`, counted as qmtp's Stats counts them: a draft
+        is proposed only if every draft before it in its pass was accepted.
+        """
+        from mlx_vlm.generate.ar import generate_step
+
+        if not prompt_tokens:
+            raise UsageError("the prompt is empty: give at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UsageError(f"max_tokens={max_tokens!r}: use a positive integer")
+        if not isinstance(n_draft, int) or n_draft < 1:
+            raise UsageError(f"n_draft={n_draft!r}: use 1 (plain decoding) or more")
+        # The whole prompt in one prefill pass: mlx-vlm 0.7.10's chunked prefill keeps only the last prompt
+        # token's hidden state for an MTP drafter, so its head would start with no prompt in its KV cache.
+        options = dict(max_tokens=max_tokens, temperature=0.0, prefill_step_size=None)
+        if n_draft > 1:
+            options.update(draft_model=self.drafter, draft_kind="mtp", draft_block_size=n_draft)
+        tokens, first = [], None
+        for token, _ in generate_step(mx.array([prompt_tokens]), self.model, None, None, **options):
+            tokens.append(int(token))
+            if first is None:
+                first = time.perf_counter()
+        result = {"tokens": tokens, "seconds": time.perf_counter() - first, "passes": len(tokens) - 1,
+                  "acceptance": None, "acceptance_per_position": None}
+        if n_draft > 1:
+            rounds = list(zip(self.drafter.accept_lens, self.drafter.draft_lens))  # reset by every generation
+            proposed, accepted = [0] * (n_draft - 1), [0] * (n_draft - 1)
+            for a, d in rounds:
+                for i in range(min(int(a) + 1, d)):
+                    proposed[i] += 1
+                for i in range(int(a)):
+                    accepted[i] += 1
+            result["passes"] = len(rounds)
+            result["acceptance"] = sum(accepted) / sum(proposed) if sum(proposed) else None
+            result["acceptance_per_position"] = [a / p if p else None for a, p in zip(accepted, proposed)]
+        return result
