@@ -72,9 +72,10 @@ class MlxVlmEngine:
         qmtp does (1: plain decoding, 2: one MTP draft per trunk pass; mlx-vlm's block size is the same number).
 
         Returns `tokens`; `seconds` from the first generated token to the last (prefill excluded, as in
-        `qmtp.bench`); `passes`, the trunk passes after the prefill; and, when drafting, `acceptance` (accepted
-        drafts over proposed ones) and `acceptance_per_position`, counted as qmtp's Stats counts them: a draft
-        is proposed only if every draft before it in its pass was accepted.
+        `qmtp.bench`); `passes`, the trunk passes after the prefill; and, when drafting, per draft position
+        the drafts `proposed` and `accepted` (counted as qmtp's Stats counts them: a draft is proposed only if
+        every draft before it in its pass was accepted), `acceptance` (all accepted over all proposed) and
+        `acceptance_per_position`.
         """
         from mlx_vlm.generate.ar import generate_step
 
@@ -95,7 +96,7 @@ class MlxVlmEngine:
             if first is None:
                 first = time.perf_counter()
         result = {"tokens": tokens, "seconds": time.perf_counter() - first, "passes": len(tokens) - 1,
-                  "acceptance": None, "acceptance_per_position": None}
+                  "proposed": [], "accepted": [], "acceptance": None, "acceptance_per_position": None}
         if n_draft > 1:
             rounds = list(zip(self.drafter.accept_lens, self.drafter.draft_lens))  # reset by every generation
             proposed, accepted = [0] * (n_draft - 1), [0] * (n_draft - 1)
@@ -104,7 +105,7 @@ class MlxVlmEngine:
                     proposed[i] += 1
                 for i in range(int(a)):
                     accepted[i] += 1
-            result["passes"] = len(rounds)
+            result.update(passes=len(rounds), proposed=proposed, accepted=accepted)
             result["acceptance"] = sum(accepted) / sum(proposed) if sum(proposed) else None
             result["acceptance_per_position"] = [a / p if p else None for a, p in zip(accepted, proposed)]
         return result

@@ -62,6 +62,7 @@ def test_one_draft_per_pass_drafts_what_qmtp_drafts(model, engine, prompts):
         theirs = engine.generate(prompt, MAX_TOKENS, 2)
         ours = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=2, stop_at_eos=False).stats
         assert theirs["passes"] == ours.trunk_passes
+        assert (theirs["proposed"], theirs["accepted"]) == (ours.drafted, ours.accepted)
         assert theirs["acceptance"] == pytest.approx(ours.acceptance_rate)
 
 
