@@ -1,5 +1,6 @@
 # qmtp: `make book` builds the workbook into _build/html, `make test` runs the tests.
 # Both create .venv on first use and reinstall only when requirements.txt or pyproject.toml change.
+# The book is read offline: what its pages load (MathJax, the widget manager) is vendored by `make vendor`.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +14,7 @@ ROCM_MARK := $(VENV)/.rocm
 # the book root is the repository root (_config.yml and _toc.yml live here)
 BOOK_BUILD := $(VENV)/bin/jupyter-book build --all -W -n --keep-going .
 
-.PHONY: venv book test rocm-venv
+.PHONY: venv vendor book test test-deps browser-test rocm-venv
 
 venv: $(STAMP)
 
@@ -26,11 +27,29 @@ $(STAMP): requirements.txt pyproject.toml
 	fi
 	touch $@
 
+# What the pages load, pinned in book/vendor/package-lock.json and served from _static (html_static_path
+# in _config.yml), so a reader without network sees formulas and the explorer. npm ci reads only the npm
+# registry; the copy is assembled beside the old one and swapped in, so a failed copy leaves no half tree.
+VENDOR       := book/vendor
+VENDOR_STAMP := $(VENDOR)/static/.installed
+
+vendor: $(VENDOR_STAMP)
+
+$(VENDOR_STAMP): $(VENDOR)/package.json $(VENDOR)/package-lock.json
+	@tools/apt-need.sh npm npm "to vendor MathJax and the widget manager for the book"
+	npm ci --prefix $(VENDOR) --ignore-scripts --no-audit --no-fund
+	rm -rf $(VENDOR)/static.new && mkdir -p $(VENDOR)/static.new/html-manager
+	cp -r $(VENDOR)/node_modules/mathjax/es5 $(VENDOR)/static.new/mathjax
+	cd $(VENDOR)/node_modules/@jupyter-widgets/html-manager/dist && \
+	  cp embed.js embed.js.LICENSE.txt *.woff *.woff2 *.ttf *.eot *.svg ../../../../static.new/html-manager/
+	rm -rf $(VENDOR)/static && mv $(VENDOR)/static.new $(VENDOR)/static
+	touch $@
+
 # jupyter-cache keys a notebook's outputs on its code only, not on QMTP_MODEL: when the model the book
 # runs against changes, drop the cached outputs so every chapter executes again.
 MODEL_STAMP := _build/.qmtp_model
 
-book: venv
+book: venv vendor
 	@mkdir -p _build; \
 	if [ "$$(cat $(MODEL_STAMP) 2>/dev/null)" != "$${QMTP_MODEL:-}" ]; then \
 	  echo "QMTP_MODEL changed: clearing _build/.jupyter_cache"; rm -rf _build/.jupyter_cache; \
@@ -40,14 +59,36 @@ book: venv
 
 # pytest's exit status is passed through unchanged: 5 ("no tests collected") fails this target too.
 # The notebooks are part of the tests: once any notebooks/*.py exists, the book (which executes every
-# notebook and turns each warning into an error) is built as well. Before that there is nothing to run.
-test: venv
+# notebook and turns each warning into an error) is built as well, and then a headless browser reads every
+# page of it offline (tests/test_browser.py; its first, pre-book run skips itself). Before that there is
+# nothing to run.
+test: venv test-deps
 	$(VPY) -m pytest -q
 	@if ls notebooks/*.py >/dev/null 2>&1; then \
-	  $(MAKE) --no-print-directory book; \
+	  $(MAKE) --no-print-directory book && $(MAKE) --no-print-directory browser-test; \
 	else \
 	  echo "no notebooks/*.py yet: skipping the book build"; \
 	fi
+
+# The extras only the tests need: `browser` (Playwright, driving Debian's chromium: Playwright never
+# downloads a browser here) and `peer` (mlx-vlm, the peer engine; pip warns and goes on if the extra is
+# not defined). A ROCm venv skips `peer`, whose mlx-vlm would pull an mlx wheel over the machine's build.
+TEST_EXTRAS_STAMP := $(VENV)/.test-extras
+
+test-deps: $(TEST_EXTRAS_STAMP)
+	@tools/apt-need.sh /usr/bin/chromium chromium "for the browser test (tests/test_browser.py)"
+
+$(TEST_EXTRAS_STAMP): $(STAMP) pyproject.toml
+	if [ -f $(ROCM_MARK) ]; then \
+	  $(VPIP) install -e '.[browser]'; \
+	else \
+	  $(VPIP) install -e '.[browser,peer]'; \
+	fi
+	touch $@
+
+# Reads the book already in _build/html (run `make book` first); screenshots go to _build/screenshots.
+browser-test: test-deps
+	QMTP_BOOK_HTML=_build/html QMTP_SCREENSHOTS=_build/screenshots $(VPY) -m pytest -q tests/test_browser.py
 
 # A machine with an existing MLX build (ROCm): the venv sees the system site-packages, and the install
 # names no backend extra. The base package does not depend on mlx, so pip never replaces that build.
