@@ -6,7 +6,8 @@ All figures the book and the bundled model card quote come from these functions.
   head's top-1 accuracy for the token after next; and how often the head's top-1 equals the trunk's
   top-1 at the same position, which is what greedy drafting needs.
 * Free-running (speculative decoding from prompts cut from held-out documents): the acceptance per draft
-  position actually observed. On the model's own greedy text, "head top-1 == trunk top-1" is exactly
+  position actually observed, for the model's own head or a replacement (`previous_head`: the bundled
+  model's head before it was trained for chained drafting; `compare_heads` runs two heads interleaved). On the model's own greedy text, "head top-1 == trunk top-1" is exactly
   the greedy acceptance of the first draft, so the two views can be checked against each other.
 """
 
@@ -20,6 +21,11 @@ import numpy as np
 
 from . import corpus
 from .model import Model
+from .mtp import MTPHead
+
+# A head-only stage's export keeps the head it started from; in a folder of its own, since a model folder's
+# *.safetensors files are all read as the checkpoint.
+PREVIOUS_HEAD_FILE = "previous_head/head.safetensors"
 
 
 @dataclass
@@ -164,3 +170,61 @@ def logit_agreement(model_a: Model, model_b, texts: list[str], length: int = 128
         "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
         "max_relative_error": float(np.abs(a - b).max() / np.abs(b).max()),
     }
+
+
+def load_head(model: Model, path) -> MTPHead:
+    """An MTP head saved by `qmtp.train.save_head` (effective weights, qmtp's own names), for `model`'s config."""
+    from mlx.utils import tree_unflatten
+
+    head = MTPHead(model.config)
+    head.update(tree_unflatten([(n, w.astype(model.dtype)) for n, w in mx.load(str(path)).items()]))
+    head.eval()
+    return head
+
+
+def previous_head(model: Model) -> MTPHead | None:
+    """The head `model`'s own head was trained from by `qmtp.train --head-only`, if its folder keeps it
+    (the bundled model does: its head before chained training), else None."""
+    path = model.path / PREVIOUS_HEAD_FILE if model.path is not None else None
+    return load_head(model, path) if path is not None and path.exists() else None
+
+
+def compare_heads(model: Model, heads: dict, prompts: list[list[int]], n_drafts=(2, 3, 4, 5),
+                  max_tokens: int = 48, repeats: int = 1) -> dict:
+    """Greedy speculative decoding with each head in `heads` (label -> MTPHead, None for the model's own),
+    interleaved: for every prompt and n_draft the heads run one after the other, so that a slower spell of a
+    shared machine hits them alike. Per head and n_draft: acceptance per position, tokens per trunk pass and
+    decode speed pooled over the runs; per n_draft, the median over (prompt, repeat) pairs of each head's
+    speed over the first head's (the ratio the noise of single timings does not swamp).
+    """
+    from .speculative import generate
+
+    labels = list(heads)
+    tally = {(label, n): {"drafted": [0] * (n - 1), "accepted": [0] * (n - 1), "emitted": 0, "passes": 0,
+                          "generated": 0, "seconds": 0.0} for label in labels for n in n_drafts}
+    ratios = {(label, n): [] for label in labels for n in n_drafts}
+    for _ in range(repeats):
+        for prompt in prompts:
+            for n in n_drafts:
+                speeds = {}
+                for label in labels:
+                    stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n, head=heads[label]).stats
+                    t = tally[(label, n)]
+                    t["drafted"] = [a + b for a, b in zip(t["drafted"], stats.drafted)]
+                    t["accepted"] = [a + b for a, b in zip(t["accepted"], stats.accepted)]
+                    t["emitted"] += sum(len(s.emitted) for s in stats.steps)
+                    t["passes"] += stats.trunk_passes
+                    t["generated"] += stats.generated
+                    t["seconds"] += stats.decode_seconds
+                    speeds[label] = stats.tokens_per_second
+                for label in labels:
+                    ratios[(label, n)].append(speeds[label] / speeds[labels[0]])
+    out: dict = {label: {} for label in labels}
+    for (label, n), t in tally.items():
+        out[label][n] = {
+            "per_position": [a / d if d else float("nan") for a, d in zip(t["accepted"], t["drafted"])],
+            "tokens_per_trunk_pass": t["emitted"] / t["passes"] if t["passes"] else float("nan"),
+            "tokens_per_second": t["generated"] / t["seconds"] if t["seconds"] else float("nan"),
+            "speed_ratio_to_first": float(np.median(ratios[(label, n)])),
+        }
+    return out

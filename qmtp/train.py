@@ -1,4 +1,4 @@
-"""Training the bundled tiny model: `python -m qmtp.train OUT [--quick] [--minutes M]`.
+"""Training the bundled tiny model: `python -m qmtp.train OUT [--quick]`, or its head alone (`--head-only`).
 
 The tiny model is the real architecture scaled down (every layer a 256-expert top-8 MoE with a gated
 shared expert, 3 linear + 1 full attention layers repeated, gated attention with partial rotary, an MTP
@@ -8,6 +8,21 @@ of `qmtp.corpus` with three terms:
     loss = CE(trunk logits at t, x_{t+1})
          + mtp_weight * CE(head logits at t, x_{t+2})     # head sees h_t (post final norm) and embed(x_{t+1})
          + balance_weight * mean over MoE layers of E * sum_e f_e P_e
+
+A second stage, `--head-only --chained K`, trains the head alone for chained drafting, the trunk frozen
+(it resumes from the weights in `--from`, the bundled model by default). At decode time the head's second
+and later drafts start from its own post-norm output z, not from a trunk state:
+
+    z_1 = head(h_t, embed(x_{t+1}))         -> x_{t+2}
+    z_j = head(z_{j-1}, embed(x_{t+j}))     -> x_{t+j+1}      (j = 2 .. K + 1)
+
+so the loss adds, to the step on true trunk states, K teacher-forced steps on the head's own outputs
+(the true next tokens as inputs, as DeepSeek-V3's MTP and EAGLE do), step j weighted chain_decay^(j-1):
+sum_j w_j CE_j / sum_j w_j. Each step's attention reads exactly the keys the head's cache holds when it
+drafts: true-state entries up to the step's start, its own chain entries after it (`chain_mask`). The
+targets are the trunk's own next-token distributions (`--targets trunk`, what greedy acceptance asks the
+head to match) or the text's tokens (`--targets text`). `--chained 0` is the same stage with the first step
+only, the control that tells the chained steps' effect from that of more training.
 
 Seeded and resumable: every `--save-every` steps the weights, optimizer state and loss history are
 written to OUT/train_state (atomically), and a rerun with the same OUT continues from there. The result
@@ -31,6 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ModelConfig
+from .errors import QmtpError, UsageError
 from .model import Model
 
 # The tiny model: real layer pattern and expert count, toy widths. 8 trunk layers + the head's layer,
@@ -130,6 +146,261 @@ class Batches:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - self.length - 1, self.batch)
         return mx.array(np.stack([self.tokens[s: s + self.length + 1] for s in starts]).astype(np.int32))
+
+
+# ---- the head alone, trained for chained drafting ----------------------------------------------------------
+def chain_mask(length: int, depth: int) -> np.ndarray:
+    """Which keys step `depth` of an unrolled chain reads, [length, depth * length] booleans.
+
+    Keys are the `depth` steps' entries side by side (step d's entry at position p is column (d-1)*length + p).
+    A draft made by step j at position q starts from the true trunk state at q - j + 1; the head's cache then
+    holds true-state (step 1) entries up to q - j + 1 and its own step-(j - (q - p)) entry at each later
+    position p <= q. Position q < j - 1 has no such start: its row reads only its own entry and its loss is
+    not counted (it never reaches a counted row either).
+    """
+    q = np.arange(length)[:, None, None]
+    d = np.arange(1, depth + 1)[None, :, None]
+    p = np.arange(length)[None, None, :]
+    allowed = (p <= q) & (d == np.maximum(1, depth - (q - p)))
+    return allowed.reshape(length, depth * length)
+
+
+def chained_head_states(head, hidden: mx.array, next_embeddings: mx.array, depth: int) -> list[mx.array]:
+    """The head unrolled `depth` steps, teacher-forced: [z_1, .., z_depth], each [B, L, H].
+
+    hidden [B, L, H] holds the trunk states h_q and next_embeddings [B, L, H] embed(x_{q+1}); step j at position
+    q reads z_{j-1} at q - 1 (zeros at q = 0) and embed(x_{q+1}) and predicts x_{q+2}, like the j-th draft of
+    a decode step that started at q - j + 1. The layer is the head's own (`MTPHead.__call__` with a cache gives
+    the same values one position at a time: tests/test_train.py checks it); only the attention is spelled out
+    here, because each step reads earlier steps' keys (`chain_mask`)."""
+    layer = head.layers[0]
+    attn = layer.self_attn
+    B, L, _ = hidden.shape
+    keys, values, states = [], [], []
+    embedded = head.pre_fc_norm_embedding(next_embeddings)
+    for j in range(1, depth + 1):
+        if j > 1:
+            hidden = mx.concatenate([mx.zeros_like(states[-1][:, :1]), states[-1][:, :-1]], axis=1)
+        x = head.fc(mx.concatenate([embedded, head.pre_fc_norm_hidden(hidden)], axis=-1))
+        q, k, v, gate = attn.project(layer.input_layernorm(x), 0)
+        keys.append(k)
+        values.append(v)
+        if j == 1:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask="causal")
+        else:
+            mask = mx.array(chain_mask(L, j))
+            out = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2),
+                                                       scale=attn.scale, mask=mask)
+        mixed = x + attn.output(out, gate)
+        states.append(head.norm(mixed + layer.mlp(layer.post_attention_layernorm(mixed))))
+    return states
+
+
+def chain_weights(depth: int, decay: float) -> list[float]:
+    return [decay ** j for j in range(depth)]
+
+
+def head_losses(model: Model, batch: mx.array, depth: int, decay: float, targets: str,
+                balance: bool = True) -> dict[str, mx.array]:
+    """Per-step head cross-entropies on [B, T + 1] tokens, their weighted mean ("head") and the head's balance term.
+
+    The trunk runs outside any gradient (frozen): its states and target distributions are constants."""
+    inputs = batch[:, :-1]
+    _, h = model.trunk(inputs)
+    h = mx.stop_gradient(h)
+    if targets == "trunk":
+        goal = mx.stop_gradient(mx.softmax(model.logits(h[:, 1:]).astype(mx.float32), axis=-1))  # trunk's x_{q+2}
+    else:
+        goal = batch[:, 2:]
+    embeddings = mx.stop_gradient(model.embed_tokens(inputs[:, 1:]))
+    mlps = moe_layers(model)[-len(model.mtp.layers):]
+    for mlp in mlps:
+        mlp.balance_log = [] if balance else None
+    states = chained_head_states(model.mtp, h[:, :-1], embeddings, depth)
+    out = {}
+    for j, z in enumerate(states, start=1):
+        logits = model.logits(z[:, j - 1:]).astype(mx.float32)  # positions with a true start for step j
+        if targets == "trunk":
+            ce = -(goal[:, j - 1:] * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(-1)
+        else:
+            ce = nn.losses.cross_entropy(logits, goal[:, j - 1:])
+        out[f"head_{j}"] = ce.mean()
+    weights = chain_weights(depth, decay)
+    out["head"] = sum(w * out[f"head_{j}"] for j, w in enumerate(weights, start=1)) / sum(weights)
+    terms = [t for mlp in mlps for t in (mlp.balance_log or [])]
+    for mlp in mlps:
+        mlp.balance_log = None
+    out["balance"] = mx.mean(mx.stack(terms)) if terms else mx.array(0.0)
+    return out
+
+
+def chain_agreement(model: Model, batch: mx.array, depth: int) -> list[float]:
+    """Per unrolled step, teacher-forced: how often the head's top-1 is the trunk's top-1 (greedy acceptance's test)."""
+    inputs = batch[:, :-1]
+    _, h = model.trunk(inputs)
+    trunk_top = mx.argmax(model.logits(h[:, 1:]), axis=-1)
+    states = chained_head_states(model.require_head(), h[:, :-1], model.embed_tokens(inputs[:, 1:]), depth)
+    return [float(mx.mean(mx.argmax(model.logits(z[:, j:]), axis=-1) == trunk_top[:, j:]))
+            for j, z in enumerate(states)]
+
+
+def prepare_head_data(out: Path, source: Path, seed: int, n_train: int) -> dict:
+    """The training split tokenized with the source model's own tokenizer, cached in OUT/data."""
+    import shutil
+
+    from . import corpus
+    from . import tokenizer as tok
+    from .export import TOKENIZER_FILES
+
+    data_dir = out / "data"
+    cached = data_dir / "tokens.npz"
+    if not cached.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copy2(source / name, data_dir / name)
+        tokenizer = tok.Tokenizer.from_dir(data_dir)
+        print(f"generating and tokenizing {n_train} training documents (seed {seed})", flush=True)
+        texts = [text for _, text in corpus.splits(seed=seed, n_train=n_train, n_heldout=0)["train"]]
+        stream = []
+        for start in range(0, len(texts), 5000):
+            for ids in tokenizer.encode_batch(texts[start: start + 5000]):
+                stream.extend(ids)
+                stream.append(tokenizer.eos_id)
+        tmp = data_dir / "tokens.tmp.npz"
+        np.savez(tmp, train=np.array(stream, dtype=np.uint16))
+        os.replace(tmp, cached)
+    return {"train": np.load(cached, allow_pickle=False)["train"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
+
+
+def load_start(source: Path, start: str) -> Model:
+    """The model in `source`, in float32, with the head a head-only stage starts from: its own ("own"), or the
+    one its folder keeps from before its last head-only stage ("previous", which reruns that stage exactly)."""
+    from . import evaluate
+    from .model import load
+
+    if start not in ("own", "previous"):
+        raise UsageError(f"--start-head {start}: use 'own' (the model's head) or 'previous' (the head it keeps)")
+    model = load(source, dtype=mx.float32)
+    if start == "previous":
+        head = evaluate.previous_head(model)
+        if head is None:
+            raise UsageError(f"--start-head previous: {source} keeps no {evaluate.PREVIOUS_HEAD_FILE}")
+        model.mtp.update(head.parameters())
+    return model
+
+
+def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr: float, seed: int, chained: int,
+               chain_decay: float, targets: str, balance_weight: float, save_every: int, eval_every: int,
+               n_train: int, stop_after: int | None = None, start: str = "own") -> tuple[Model, bool]:
+    """Train (or resume) the head of the model in `source` for chained drafting; the trunk stays as loaded."""
+    from tqdm import tqdm
+
+    from . import evaluate
+
+    if targets not in ("trunk", "text"):
+        raise UsageError(f"--targets {targets}: use 'trunk' (the trunk's distributions) or 'text' (the text's tokens)")
+    if chained < 0:
+        raise UsageError(f"--chained {chained}: give the number of steps on the head's own outputs, 0 or more")
+    out.mkdir(parents=True, exist_ok=True)
+    run = {"stage": "head-only", "source": str(source), "start_head": start, "steps": steps, "batch": batch, "length": length, "lr": lr,
+           "seed": seed, "chained": chained, "chain_decay": chain_decay, "targets": targets,
+           "balance_weight": balance_weight, "n_train": n_train, "cores": os.cpu_count()}
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    data = prepare_head_data(out, source, seed, n_train)
+    mx.random.seed(seed)
+    model = load_start(source, start)
+    model.freeze()
+    model.mtp.unfreeze()
+    model.mtp.train()
+    optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
+    progress = load_state(out, model.mtp, optimizer) or {"step": 0, "history": [], "elapsed": 0.0}
+    if progress["step"]:
+        print(f"resuming from step {progress['step']}", flush=True)
+    depth = chained + 1
+
+    def objective(head, batch):
+        parts = head_losses(model, batch, depth, chain_decay, targets)
+        return parts["head"] + balance_weight * parts["balance"], parts
+
+    value_and_grad = nn.value_and_grad(model.mtp, objective)
+    batches = Batches(data["train"], batch, length, seed)
+    probe_texts = evaluate.heldout_texts(8)
+    probe = mx.array(evaluate._windows(model, probe_texts, length)[:8])
+    probe_depth = max(depth, 4)  # the probe always measures four steps, so runs with any --chained compare
+    warmup = max(1, min(50, steps // 20))
+    bar = tqdm(total=steps, initial=progress["step"], desc="training the head", unit="step", dynamic_ncols=True)
+    started = time.time() - progress["elapsed"]
+    stop_at = steps if stop_after is None else min(steps, progress["step"] + stop_after)
+    while progress["step"] < stop_at:
+        step = progress["step"]
+        optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
+        (loss, parts), grads = value_and_grad(model.mtp, batches(step))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model.mtp, grads)
+        mx.eval(model.mtp.parameters(), optimizer.state, loss, parts)
+        progress["step"] = step + 1
+        record = {"step": step + 1, "tokens": (step + 1) * batch * length, "loss": float(loss),
+                  **{k: float(v) for k, v in parts.items()}}
+        if step == 0 or (step + 1) % eval_every == 0 or step + 1 == steps:
+            held = head_losses(model, probe, probe_depth, chain_decay, "text", balance=False)
+            record.update({f"heldout_{k}": float(v) for k, v in held.items() if k.startswith("head_")})
+            record.update({f"heldout_agree_{j}": a for j, a in enumerate(chain_agreement(model, probe, probe_depth), 1)})
+        progress["history"].append(record)
+        progress["elapsed"] = time.time() - started
+        bar.update(1)
+        bar.set_postfix(**{k: f"{record[k]:.3f}" for k in record if k.startswith("head_")})
+        if (step + 1) % save_every == 0 or step + 1 in (steps, stop_at):
+            save_state(out, model.mtp, optimizer, progress)
+    bar.close()
+    (out / "head_loss_curve.json").write_text(json.dumps(progress["history"]))
+    model.mtp.eval()
+    return model, progress["step"] >= steps
+
+
+def save_head(head, path: Path) -> None:
+    """A head's effective weights in bfloat16 under qmtp's own names (`qmtp.evaluate.load_head` reads them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial.safetensors")
+    weights = {n: w.astype(mx.bfloat16) for n, w in tree_flatten(head.parameters())}
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "content": "qmtp MTPHead, effective weights"})
+    os.replace(tmp, path)
+
+
+def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: str = "own") -> None:
+    """The source model with its new head, in the released layout, with the source's tokenizer and loss curve
+    (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons)."""
+    import shutil
+
+    from .checkpoint import Checkpoint, write_safetensors
+    from .evaluate import PREVIOUS_HEAD_FILE
+    from .export import TOKENIZER_FILES, export_released
+
+    export_released(model, dest)
+    # The trunk's tensors are copied as stored: a zero-centred norm weight w that went through its effective
+    # form 1 + w in float32 and back can lose its lowest bits, and the trunk must not change at all.
+    kept, written = Checkpoint(source), Checkpoint(dest)
+    if sorted(kept.names()) != sorted(written.names()):
+        raise QmtpError(f"{source}: its tensors are not the ones the head-only export writes; export it afresh")
+
+    def stored_bytes(info):
+        def read() -> bytes:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                return f.read(info.nbytes)
+        return read
+
+    def chosen(name: str):
+        return (written if name.startswith("mtp.") else kept).infos[name]
+
+    entries = [(n, chosen(n).dtype, chosen(n).shape, stored_bytes(chosen(n))) for n in written.names()]
+    tmp = dest / "model.partial"
+    write_safetensors(tmp, entries, {"format": "pt"})
+    os.replace(tmp, dest / "model.safetensors")
+    save_head(load_start(source, start).mtp, dest / PREVIOUS_HEAD_FILE)
+    for name in (*TOKENIZER_FILES, "loss_curve.json", "training.json"):
+        if (source / name).exists():
+            shutil.copy2(source / name, dest / name)
+    shutil.copy2(out / "head_loss_curve.json", dest / "head_loss_curve.json")
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -283,7 +554,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, help="peak learning rate (default 3e-3; 1e-3 with --head-only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtp-weight", type=float, default=0.5)
     parser.add_argument("--balance-weight", type=float, default=0.01)
@@ -292,12 +563,21 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--documents", type=int, help="training documents to generate")
     parser.add_argument("--stop-after", type=int, help="stop after this many steps (resume later with the same command)")
+    parser.add_argument("--head-only", action="store_true", help="train only the MTP head of --from, the trunk frozen")
+    parser.add_argument("--from", dest="source", type=Path, help="--head-only: the model to start from (default: bundled)")
+    parser.add_argument("--chained", type=int, default=3, help="--head-only: steps on the head's own outputs (0: none)")
+    parser.add_argument("--chain-decay", type=float, default=0.8, help="--head-only: weight of chained step j is decay^(j-1)")
+    parser.add_argument("--targets", default="trunk", help="--head-only: 'trunk' (its distributions) or 'text' (tokens)")
+    parser.add_argument("--start-head", default="own", help="--head-only: 'own' (--from's head) or 'previous' (the "
+                        "head --from keeps from before its last head-only stage: reruns that stage)")
     args = parser.parse_args(argv)
+    if args.head_only:
+        return main_head_only(args)
     if args.quick:
         steps, n_train, n_heldout, vocab = args.steps or 40, args.documents or 3000, 300, min(args.vocab_size, 512)
     else:
         steps, n_train, n_heldout, vocab = args.steps or 900, args.documents or 100_000, 2000, args.vocab_size
-    model, finished = train(args.out, steps, args.batch, args.length, args.lr, args.seed, args.quick, args.mtp_weight,
+    model, finished = train(args.out, steps, args.batch, args.length, args.lr or 3e-3, args.seed, args.quick, args.mtp_weight,
                   args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps), n_train, n_heldout, vocab,
                   args.stop_after)
     if not finished:
@@ -306,6 +586,28 @@ def main(argv=None) -> int:
         from .export import export_released
 
         export_released(model, args.export, training_dir=args.out)
+        print(f"exported to {args.export}")
+    return 0
+
+
+def main_head_only(args) -> int:
+    from .model import BUNDLED_MODEL, resolve_path
+
+    source = resolve_path(args.source or BUNDLED_MODEL)
+    steps = args.steps or 600
+    lr = args.lr or 1e-3  # a fine-tune of a trained head starts lower than training from scratch
+    try:
+        model, finished = train_head(args.out, source, steps, args.batch, args.length, lr, args.seed, args.chained,
+                                     args.chain_decay, args.targets, args.balance_weight, min(args.save_every, steps),
+                                     min(args.eval_every, steps), args.documents or 100_000, args.stop_after,
+                                     args.start_head)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not finished:
+        print(f"stopped before step {steps}: run the same command again to resume")
+    elif args.export:
+        export_head_stage(model, source, args.export, args.out, args.start_head)
         print(f"exported to {args.export}")
     return 0
 

@@ -1,4 +1,5 @@
-"""The training script: quick mode end to end, and resuming gives the same weights as not stopping."""
+"""The training script: quick mode end to end, resuming gives the same weights as not stopping (both stages), and
+the head-only stage's unrolled chain computes what drafting does."""
 
 import json
 import subprocess
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 import qmtp
+from qmtp import evaluate, train
+from qmtp.cache import KVCache
 
 
 def run_train(*args):
@@ -51,3 +54,72 @@ def test_quick_training_resumes_exactly_and_exports_a_loadable_model(tmp_path):
     shipped = np.array(stored.load("model.language_model.norm.weight").astype(mx.float32))
     assert np.allclose(shipped + 1.0, trained, atol=1e-2)
     assert qmtp.generate(model, "Once upon a time", max_tokens=5, n_draft=2).stats.generated == 5
+
+
+@pytest.mark.slow
+def test_head_only_training_resumes_exactly_and_leaves_the_trunk_alone(tmp_path):
+    base = tmp_path / "base"
+    run_train(base, "--quick", "--steps", 2, "--export", base / "export")
+    source = base / "export"
+    common = ["--head-only", "--from", source, "--chained", 2, "--steps", 4, "--documents", 3000, "--length", 64]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(straight, *common, "--save-every", 2, "--export", straight / "export")
+    first = run_train(resumed, *common, "--stop-after", 3, "--export", resumed / "export")
+    assert "run the same command again to resume" in first.stdout
+    second = run_train(resumed, *common, "--export", resumed / "export")
+    assert "resuming from step 3" in second.stdout
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a.keys() == b.keys() and all(k.startswith(("layers.0.", "fc.", "pre_fc_norm", "norm.")) for k in a)
+    assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+
+    curve = json.loads((straight / "head_loss_curve.json").read_text())
+    assert [r["step"] for r in curve] == [1, 2, 3, 4]
+    assert {"head_1", "head_2", "head_3", "heldout_agree_4"} <= set(curve[-1])
+
+    before, after = qmtp.Checkpoint(source), qmtp.Checkpoint(straight / "export")
+    assert before.names() == after.names()
+    trunk = [n for n in before.names() if not n.startswith("mtp.")]
+    assert all(mx.array_equal(before.load(n), after.load(n)).item() for n in trunk)
+    assert not all(mx.array_equal(before.load(n), after.load(n)).item() for n in before.names() if n.startswith("mtp."))
+    # The export keeps the head it started from, loadable as a drafter for the new model.
+    old, new = qmtp.load(source), qmtp.load(straight / "export")
+    kept = evaluate.previous_head(new)
+    tokens = mx.array([list(range(3, 20))])
+    assert np.array_equal(np.array(old.mtp_logits(tokens)),
+                          np.array(new.logits(kept(new.hidden_states(tokens)[:, :-1], new.embed_tokens(tokens[:, 1:])))))
+
+
+def test_head_only_refuses_unknown_targets(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "qmtp.train", str(tmp_path / "x"), "--head-only", "--targets", "soft"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--targets soft" in result.stderr
+
+
+def test_chained_unroll_is_what_drafting_with_a_cache_computes():
+    """Step j of the teacher-forced unroll at position t + j - 1 equals the j-th draft of a decode step that
+    started at t: the head run position by position with its KV cache, true states up to t, then its own
+    outputs (the drafts' tokens taken as the true ones, as when the earlier drafts are accepted)."""
+    model = qmtp.load()
+    rows = mx.array(evaluate._windows(model, evaluate.heldout_texts(1), 48)[:2])
+    inputs = rows[:, :-1]
+    _, h = model.trunk(inputs)
+    embedded = model.embed_tokens(inputs[:, 1:])
+    states = train.chained_head_states(model.mtp, h[:, :-1], embedded, 4)
+    assert np.array_equal(np.array(states[0]), np.array(model.head_states(h, inputs)))
+    for t in (0, 7, 40):
+        cache = KVCache()
+        z = model.mtp(h[:, : t + 1], embedded[:, : t + 1], cache)[:, -1:]
+        drafted = [z]
+        for j in range(2, 5):
+            z = model.mtp(z, embedded[:, t + j - 1: t + j], cache)
+            drafted.append(z)
+        for j, z in enumerate(drafted, start=1):
+            np.testing.assert_allclose(np.array(z[:, 0]), np.array(states[j - 1][:, t + j - 1]), atol=1e-5)
+
+
+def test_chain_mask_reads_one_entry_per_earlier_position():
+    for depth in (1, 2, 4):
+        mask = train.chain_mask(10, depth).reshape(10, depth, 10)
+        assert (mask.sum(axis=(1, 2)) == np.arange(1, 11)).all()  # query q reads positions 0..q, once each
+        assert mask.any(axis=1).sum(axis=1).tolist() == list(range(1, 11))
+        assert mask[9, depth - 1, 9] and (depth == 1 or not mask[9, 0, 9])  # its own step at its own position
