@@ -32,6 +32,10 @@ PROMPTS = (
 )
 FIX_VARIANTS = {"both fixes": ("norm", "conv"), "norm fix left out": ("conv",), "conv fix left out": ("norm",)}
 TRAINING_COMMAND = "python -m qmtp.train runs/tiny --steps {steps} --batch {batch} --length {length} --export runs/tiny/export"
+HEAD_TRAINING_COMMAND = ("python -m qmtp.train runs/tiny-head --head-only --start-head previous --chained {chained} "
+                         "--chain-decay {chain_decay} --targets {targets} --steps {steps} --batch {batch} --length {length} "
+                         "--lr {lr} --export runs/tiny-head/export")
+HEAD_TRAINING_FILE = "head_training.json"
 
 
 def measure(model_dir: Path, per_register: int = 40, prompts_per_register: int = 6, max_tokens: int = 48) -> dict:
@@ -58,6 +62,12 @@ def measure(model_dir: Path, per_register: int = 40, prompts_per_register: int =
     out["acceptance"] = {
         str(n): evaluate.acceptance(model, all_prompts, n_draft=n, max_tokens=max_tokens) for n in range(2, 6)
     }
+    previous = evaluate.previous_head(model)
+    if previous is not None:
+        out["acceptance_previous_head"] = {
+            str(n): evaluate.acceptance(model, all_prompts, n_draft=n, max_tokens=max_tokens, head=previous)
+            for n in range(2, 6)
+        }
     from .speculative import generate
 
     out["continuations"] = [{"prompt": p, "text": generate(model, p, max_tokens=40).text} for p in PROMPTS]
@@ -116,6 +126,26 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
         "",
         "![loss curve](loss_curve.png)",
         "",
+    ]
+    head_file = model_dir / HEAD_TRAINING_FILE
+    if head_file.exists():
+        head = json.loads(head_file.read_text())
+        final = head["final"]
+        steps = head["chained"] + 1
+        lines += [
+            "Then the head alone, trunk frozen, for chained drafting (`qmtp.train`'s head-only stage): "
+            f"`{HEAD_TRAINING_COMMAND.format(**head)}` ({head['tokens']:,} tokens, {head['elapsed'] / 60:.0f} minutes "
+            f"on {head['cores']} CPU cores). Loss: {steps} unrolled steps, step 1 on the trunk's states, steps 2 to "
+            f"{steps} on the head's own outputs, weighted {head['chain_decay']}^(j-1), each against the "
+            f"{'trunk' + chr(39) + 's next-token distribution' if head['targets'] == 'trunk' else 'text' + chr(39) + 's tokens'}"
+            f"; + {head['balance_weight']} x the head's balance term. The head it started from is kept in "
+            f"`{evaluate.PREVIOUS_HEAD_FILE}` (`qmtp.evaluate.previous_head`).",
+            "Held-out probe, teacher-forced, head top-1 = trunk top-1 per unrolled step: before "
+            + ", ".join(_fmt(head["first"][f"heldout_agree_{j}"]) for j in range(1, 5)) + "; after "
+            + ", ".join(_fmt(final[f"heldout_agree_{j}"]) for j in range(1, 5)) + ".",
+            "",
+        ]
+    lines += [
         "## Held-out text, with and without the fixes",
         "",
         "| load | next-token accuracy | perplexity | head top-1 (t+2) |",
@@ -148,6 +178,17 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
     for n, a in measurements["acceptance"].items():
         per = ", ".join(_fmt(x, 2) for x in a["per_position"])
         lines.append(f"| {n} | {per} | {_fmt(a['rate'])} | {_fmt(a['tokens_per_trunk_pass'], 2)} |")
+    if "acceptance_previous_head" in measurements:
+        lines += [
+            "",
+            "The same prompts with the head before its chained training (`qmtp.evaluate.previous_head`):",
+            "",
+            "| n_draft | acceptance per draft position | overall | tokens per trunk pass |",
+            "|---|---|---|---|",
+        ]
+        for n, a in measurements["acceptance_previous_head"].items():
+            per = ", ".join(_fmt(x, 2) for x in a["per_position"])
+            lines.append(f"| {n} | {per} | {_fmt(a['rate'])} | {_fmt(a['tokens_per_trunk_pass'], 2)} |")
     lines += ["", "## Greedy continuations", ""]
     for c in measurements["continuations"]:
         lines += ["```text", c["prompt"] + c["text"], "```", ""]
@@ -174,6 +215,17 @@ def training_record(train_dir: Path) -> dict:
     }
 
 
+def head_training_record(train_dir: Path) -> dict:
+    """What a head-only stage did, from its saved arguments and progress (first and last held-out probe)."""
+    run = json.loads((train_dir / "run.json").read_text())
+    latest = json.loads((train_dir / "latest.json").read_text())["state"]
+    progress = json.loads((train_dir / latest / "progress.json").read_text())
+    history = progress["history"]
+    probes = [r for r in history if "heldout_agree_1" in r]
+    return {**run, "source": Path(run["source"]).name, "steps": progress["step"], "tokens": history[-1]["tokens"],
+            "elapsed": progress["elapsed"], "first": probes[0], "final": probes[-1]}
+
+
 def plot_loss_curve(curve: list[dict], path: Path) -> None:
     from .plots import loss_curve
 
@@ -185,10 +237,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qmtp.card", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--train-dir", type=Path, help="the training folder (writes training.json from its record)")
+    parser.add_argument("--head-train-dir", type=Path, help=f"a head-only stage's folder (writes {HEAD_TRAINING_FILE})")
     args = parser.parse_args(argv)
     if args.train_dir is not None:
         record = training_record(args.train_dir)
         (args.model_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    if args.head_train_dir is not None:
+        record = head_training_record(args.head_train_dir)
+        (args.model_dir / HEAD_TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
     training = json.loads((args.model_dir / "training.json").read_text())
     measurements = measure(args.model_dir)
     (args.model_dir / "measurements.json").write_text(json.dumps(measurements, indent=2) + "\n")

@@ -72,3 +72,19 @@ def test_chat_reports_the_acceptance_teacher_forcing_predicts(model):
     predicted = evaluate.predicted_acceptance(model, plain.prompt_tokens, plain.tokens)
     # the walk and the run agree draft for draft; only the last step, cut by the end of text, may differ
     assert abs(reported - predicted["rate"]) <= 1.5 / predicted["proposed"] + 0.005
+
+
+def test_the_chained_trained_head_drafts_deeper_than_the_one_it_replaced(model):
+    previous = evaluate.previous_head(model)
+    assert previous is not None, "the bundled model keeps its previous head"
+    prompts = evaluate.heldout_prompts(model, 2)
+    new = evaluate.acceptance(model, prompts, n_draft=3, max_tokens=40)["per_position"]
+    old = evaluate.acceptance(model, prompts, n_draft=3, max_tokens=40, head=previous)["per_position"]
+    assert new[1] > old[1] + 0.1, (new, old)
+    assert new[0] >= old[0] - 0.02, (new, old)
+
+
+def test_the_previous_head_drafts_losslessly(model):
+    prompt = evaluate.heldout_prompts(model, 1)[0]
+    plain = qmtp.generate(model, prompt, max_tokens=30).tokens
+    assert qmtp.generate(model, prompt, max_tokens=30, n_draft=4, head=evaluate.previous_head(model)).tokens == plain
