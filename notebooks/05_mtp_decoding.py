@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -77,9 +79,56 @@ glue("tpp_n5", by_n[5]["tokens_per_trunk_pass"], display=False)
 
 # %% [markdown]
 # At `n_draft=2` the trunk accepts {glue:text}`acc_n2:.2f` of the head's drafts, so each trunk pass
-# yields {glue:text}`tpp_n2:.2f` tokens; a second draft is accepted {glue:text}`acc_n3_second:.2f` of the
-# times it is proposed: the head, fed its own output, drifts from the trunk's states. At `n_draft=5` a
+# yields {glue:text}`tpp_n2:.2f` tokens; a second draft, made from the head's own output rather than a
+# trunk state, is accepted {glue:text}`acc_n3_second:.2f` of the times it is proposed. At `n_draft=5` a
 # pass yields {glue:text}`tpp_n5:.2f` tokens.
+#
+# ## A head trained on its own drafts
+#
+# A head trained only on the trunk's true states has never seen its own output as input, yet from the
+# second draft on that is all it gets. The bundled head was trained a second time, alone, with the trunk
+# frozen: unrolled four steps, step 1 on the trunk's states and steps 2 to 4 on its own outputs, each step's
+# attention reading the keys its cache holds when it drafts, every step scored against the trunk's own
+# next-token distribution (`python -m qmtp.train --head-only`; the model card gives the command and the
+# loss). The head it started from is kept beside the model (`evaluate.previous_head`). Both heads run on
+# the same prompts, interleaved prompt by prompt, so that the shared machine's slow spells hit them alike.
+
+# %%
+previous = evaluate.previous_head(model)
+if previous is not None:
+    heads = {"previous head": previous, "chained-trained head": None}
+    compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
+    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} {'tokens/pass':>11} {'speed vs previous':>17}")
+    for n in range(2, 6):
+        for label in heads:
+            r = compared[label][n]
+            per = ", ".join(f"{a:.2f}" for a in r["per_position"])
+            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} {r['speed_ratio_to_first']:>17.2f}")
+    old, new = compared["previous head"], compared["chained-trained head"]
+    head_glue = {
+        "old_n3_first": old[3]["per_position"][0], "new_n3_first": new[3]["per_position"][0],
+        "old_n3_second": old[3]["per_position"][1], "new_n3_second": new[3]["per_position"][1],
+        "old_tpp_n4": old[4]["tokens_per_trunk_pass"], "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
+        "speed_ratio_n4": new[4]["speed_ratio_to_first"], "speed_ratio_n5": new[5]["speed_ratio_to_first"],
+    }
+else:  # a model without a kept previous head (real weights): nothing to set side by side
+    compared = None
+    head_glue = dict.fromkeys(["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
+                               "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+    print(f"{path} keeps no previous head: the comparison needs the bundled model")
+for name, value in head_glue.items():
+    glue(name, value, display=False)
+
+# %% [markdown]
+# At `n_draft=3` the first draft is accepted {glue:text}`old_n3_first:.2f` of the time with the previous
+# head and {glue:text}`new_n3_first:.2f` with the retrained one; the second, {glue:text}`old_n3_second:.2f`
+# and {glue:text}`new_n3_second:.2f`. At `n_draft=4` a trunk pass yields {glue:text}`old_tpp_n4:.2f`
+# tokens with the previous head and {glue:text}`new_tpp_n4:.2f` with the new one. Decode speed with the
+# new head, over the previous one's (median of the interleaved pairs): {glue:text}`speed_ratio_n4:.2f` at
+# `n_draft=4`, {glue:text}`speed_ratio_n5:.2f` at 5. Each trunk pass costs about the same whichever head
+# drafted for it, so the speed follows the tokens per pass, less the head's own extra drafting work; single
+# timings on a shared CPU are noisy, and the measurement of speed proper is the benchmark,
+# `python -m qmtp bench mtp`.
 #
 # ## By register
 #
@@ -135,4 +184,6 @@ saved = results.save("05_mtp_decoding", path, {
     "ablation": ablation,
     "per_register": per_register,
     "lossless_mismatches": mismatches,
+    "previous_head": None if compared is None else {
+        label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
 })
