@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import mmap
-import tempfile
 import os
+import stat
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,110 @@ from .errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 # A header larger than this is a corrupt length field, not a real checkpoint (real ones are < 2 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# config.json, an index, tokenizer_config.json: real ones are well under a few MB (an index of 70 GB is ~100 kB)
+MAX_JSON_BYTES = 64 * 1024 * 1024
+# Deepest nesting a qmtp JSON file may have (real ones have 4 or 5 levels); deeper is refused before parsing.
+MAX_JSON_DEPTH = 64
+
+
+def open_regular(path: str | Path, error=CheckpointError, what: str = "file"):
+    """Open `path` for reading in binary mode after checking it is a regular file.
+
+    Opened non-blocking, so a FIFO does not wait for a writer, and checked with fstat on the opened descriptor
+    (no race with a rename): a FIFO, a device such as /dev/zero or a directory is refused with one line.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise error(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected a regular {what}") from None
+    except OSError as err:
+        raise error(f"{path}: cannot be read ({err.strerror or err})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a file")
+        raise error(f"{path}: is {kind}, not a regular file; expected a {what}")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return open(fd, "rb")
+
+
+def _json_depth_problem(text: str) -> str | None:
+    """Why `text` is not a JSON file qmtp parses, judged before parsing: nesting past MAX_JSON_DEPTH."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_DEPTH:
+                    return f"nested more than {MAX_JSON_DEPTH} levels deep"
+        elif ch in "]}":
+            depth -= 1
+    return None
+
+
+def _refuse_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def parse_json(text: str | bytes, where: str, error=CheckpointError):
+    """json.loads with qmtp's limits: no nesting past MAX_JSON_DEPTH, no integer past Python's digit limit,
+    no key twice in one object (json would keep the last silently), NaN/Infinity refused. One-line errors."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise error(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+    problem = _json_depth_problem(text)
+    if problem is None:
+        try:
+            return json.loads(text, object_pairs_hook=_refuse_duplicates, parse_constant=_no_constant)
+        except json.JSONDecodeError as err:
+            problem = f"{err.msg} at line {err.lineno} column {err.colno}"
+        except RecursionError:
+            problem = "nested too deeply"
+        except ValueError as err:  # a duplicate key, NaN, or an int past the digit limit
+            problem = str(err) if "twice" in str(err) or "not JSON" in str(err) else "a number with thousands of digits"
+    raise error(f"{where}: not valid JSON ({problem})")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_json(path: str | Path, error=CheckpointError, what: str = "JSON file", limit: int = MAX_JSON_BYTES):
+    """Read and parse one JSON file that qmtp opens (config.json, an index, tokenizer_config.json): a regular
+    file, at most `limit` bytes, parsed with `parse_json`'s limits. Raises `error` with one line."""
+    path = Path(path)
+    with open_regular(path, error, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{path}: is {size} bytes, more than the {limit} a {what} can have")
+        data = f.read(limit + 1)
+    return parse_json(data, str(path), error)
+
 
 # safetensors dtype -> (numpy dtype used to read the bytes, MLX dtype name, bytes per element)
 DTYPES = {
@@ -68,8 +173,8 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     """Parse and validate one safetensors header: (tensors, metadata). Reads no tensor data."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, what=".safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
@@ -91,11 +196,11 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     except OSError as err:
         raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         # Besides bad syntax (JSONDecodeError, a ValueError): a number past Python's int digit limit (a plain
         # ValueError) or nesting deeper than the parser follows (RecursionError). No writer produces either.
-        if isinstance(err, (UnicodeDecodeError, json.JSONDecodeError)):
+        if isinstance(err, (UnicodeDecodeError, json.JSONDecodeError)) or "twice" in str(err):
             reason = err
         elif isinstance(err, RecursionError):
             reason = "nested too deeply"
@@ -113,7 +218,17 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     tensors = {}
     for name, entry in header.items():
         tensors[name] = _tensor_info(path, name, entry, data_start, data_len)
+    _check_no_overlap(path, tensors)
     return tensors, metadata
+
+
+def _check_no_overlap(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    """Two tensors reading the same bytes is a corrupt or forged header (the safetensors library refuses it)."""
+    spans = sorted((i.offset, i.offset + i.nbytes, n) for n, i in tensors.items() if i.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file's data "
+                                  f"(their data_offsets share bytes): corrupt header")
 
 
 def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -> TensorInfo:
@@ -219,15 +334,15 @@ class Checkpoint:
         if path.is_file():
             return [path]
         index_path = path / INDEX_NAME
-        if index_path.exists():
+        if index_path.exists() or index_path.is_symlink():
+            index = read_json(index_path, what="safetensors index")
             try:
-                index = json.loads(index_path.read_text())
                 weight_map = index["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
                 if not all(isinstance(v, str) for v in weight_map.values()):
                     raise TypeError("weight_map values must be shard file names")
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            except (KeyError, TypeError) as err:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({err})") from None
             self.index = weight_map
             shards = sorted(set(weight_map.values()))

@@ -9,12 +9,13 @@ chapter can reason about it without 70 GB of weights.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import numbers
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoint import read_json
 from .errors import ConfigError
 
 # model_type -> how the linear-attention projections are stored.
@@ -41,8 +42,33 @@ REQUIRED_FIELDS = (
     "num_key_value_heads",
 )
 
+# Upper bounds: far above any released model, low enough that nothing is built a billion times over
+# (a layer list, an expert stack) and that every size fits MLX's int32 dimensions.
+MAX_INT = 2**31 - 1
+MAX_VALUES = {
+    "num_hidden_layers": 1024,
+    "num_experts": 65_536,
+    "num_experts_per_tok": 65_536,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "linear_num_key_heads": 4096,
+    "linear_num_value_heads": 4096,
+    "linear_conv_kernel_dim": 64,
+    "vocab_size": 2**24,
+    "hidden_size": 2**18,
+    "head_dim": 2**14,
+    "linear_key_head_dim": 2**14,
+    "linear_value_head_dim": 2**14,
+    "max_position_embeddings": 2**30,
+    "rms_norm_eps": 0.01,  # real ones are 1e-6 to 1e-5; 0.01 already flattens the norms
+    "rope_theta": 1e12,
+    "partial_rotary_factor": 1.0,
+}
+
 # Integer fields that may be 0 (every other integer field counts something that must exist).
 MAY_BE_ZERO = ("mtp_num_hidden_layers",)
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # real ones are a few kB
 
 SUPPORTED_TEXT = (
     "qmtp reads Qwen3.5/3.6 MoE (qwen3_5_moe, qwen3_5_moe_text) and Qwen3-Next (qwen3_next) checkpoints"
@@ -219,13 +245,9 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             raise ConfigError(f"{path}: file not found (every checkpoint directory needs a config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json(path, ConfigError, "config.json", limit=MAX_CONFIG_BYTES), source=str(path))
 
     def to_text_dict(self) -> dict:
         """The text fields as Hugging Face names them (what sits under `text_config`)."""
@@ -265,7 +287,7 @@ def default_layer_types(num_layers: int, interval: int = 4) -> list[str]:
 
     Empty when num_layers is not a positive integer: validation then reports num_hidden_layers.
     """
-    if not _is_count(num_layers):
+    if not _is_count(num_layers) or num_layers > MAX_VALUES["num_hidden_layers"]:
         return []
     return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
 
@@ -281,13 +303,19 @@ def _is_int(value) -> bool:
 
 def _value_problem(name: str, value, kind) -> str | None:
     """What is wrong with one field's value on its own (its type and range), or None."""
+    top = MAX_VALUES.get(name, MAX_INT)
     if kind is int:
         if name in MAY_BE_ZERO:
-            return None if _is_int(value) and value >= 0 else f"{name}={value!r} must be a non-negative integer"
-        return None if _is_count(value) else f"{name}={value!r} must be a positive integer"
+            ok = _is_int(value) and value >= 0
+            return None if ok and value <= top else f"{name}={value!r} must be a non-negative integer up to {top}"
+        if not _is_count(value):
+            return f"{name}={value!r} must be a positive integer"
+        return None if value <= top else f"{name}={value} is larger than {top}, more than any model has: corrupt config"
     if kind is float:
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        return None if number and value > 0 else f"{name}={value!r} must be a positive number"
+        if not (number and math.isfinite(value) and value > 0):
+            return f"{name}={value!r} must be a positive number (and finite)"
+        return None if value <= top else f"{name}={value} is larger than {top}, more than any model uses: corrupt config"
     if kind is bool:
         return None if isinstance(value, bool) else f"{name}={value!r} must be true or false"
     if kind is str:

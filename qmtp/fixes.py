@@ -15,9 +15,7 @@ fixes are in the weights.
 
 from __future__ import annotations
 
-import json
-
-from .errors import UsageError
+from .errors import CheckpointError, UsageError
 
 FIXES = ("norm", "conv")
 DEFAULT_FIXES = FIXES
@@ -99,20 +97,75 @@ def apply(name: str, w, fixes: tuple[str, ...]):
     return w
 
 
-def recorded(metadata: dict[str, str]) -> tuple[str, ...] | None:
-    """Fixes recorded by a qmtp-written file, or None if the file carries no record."""
+def recorded(metadata: dict[str, str], where="checkpoint") -> tuple[str, ...] | None:
+    """Fixes recorded by a qmtp-written file, or None if the file carries no record; CheckpointError when the
+    record is not a JSON list of fix names."""
     if METADATA_KEY not in metadata:
         return None
-    return validate(json.loads(metadata[METADATA_KEY]))
+    from .checkpoint import parse_json
+
+    record = parse_json(metadata[METADATA_KEY], f"{where}: metadata {METADATA_KEY}")
+    if not isinstance(record, list) or not all(isinstance(f, str) and f in FIXES for f in record):
+        raise CheckpointError(f"{where}: metadata {METADATA_KEY} is {metadata[METADATA_KEY][:80]!r}, not a list of "
+                              f"fix names from {FIXES}: corrupt record")
+    return tuple(record)
 
 
-def already_applied(metadata: dict[str, str], conv_shape: tuple[int, ...] | None) -> tuple[str, ...]:
+# The stored zero-centred norms: w near 0 before the fix, 1 + w near 1 after it. Their median mean lies on one
+# side of this line or the other (the bundled model's are around -0.15 stored; synthetic ones 0).
+SHIFTED_NORM_MEAN = 0.5
+
+
+def conv_in_mlx_layout(conv_shape) -> bool | None:
+    """True for [C, K, 1], False for [C, 1, K], None when there is no kernel or its shape says neither."""
+    if conv_shape is None or len(conv_shape) != 3:
+        return None
+    if conv_shape[-1] == 1 and conv_shape[1] != 1:
+        return True
+    if conv_shape[1] == 1 and conv_shape[-1] != 1:
+        return False
+    return None
+
+
+def norms_look_shifted(ckpt, plan) -> bool | None:
+    """Whether the stored zero-centred norms already hold 1 + w (median of their means above 0.5); None when
+    the checkpoint has none. Reads only the norms (a few kB)."""
+    import mlx.core as mx
+    import numpy as np
+
+    means = []
+    for name, recipe in plan.recipes.items():
+        if is_zero_centred_norm(name) and len(recipe.sources) == 1:
+            w = ckpt.load(recipe.sources[0])
+            if mx.issubdtype(w.dtype, mx.floating) and w.size:
+                means.append(float(mx.mean(w.astype(mx.float32)).item()))
+    return None if not means else bool(np.median(means) > SHIFTED_NORM_MEAN)
+
+
+def check_against_tensors(ckpt, plan, carried: tuple[str, ...], where) -> None:
+    """Refuse a record (or an inference from the conv layout) that the tensors contradict: believing it would
+    shift the norms twice, or not at all."""
+    source = f"its metadata {METADATA_KEY} says {list(carried)}" if METADATA_KEY in ckpt.metadata else \
+        f"its conv layout says the fixes {list(carried) or 'none'} are applied"
+    mlx_conv = conv_in_mlx_layout(stored_conv_shape(ckpt, plan))
+    if mlx_conv is not None and mlx_conv != ("conv" in carried):
+        layout_text = "MLX layout [C, K, 1]" if mlx_conv else "PyTorch layout [C, 1, K]"
+        raise CheckpointError(f"{where}: {source}, but its conv kernels are in {layout_text}; the record and the "
+                              f"tensors disagree, so the file was edited or mislabelled: re-convert from the original")
+    shifted = norms_look_shifted(ckpt, plan)
+    if shifted is not None and shifted != ("norm" in carried):
+        looks = "already shifted (1 + w, mean near 1)" if shifted else "not shifted (w, mean near 0)"
+        raise CheckpointError(f"{where}: {source}, but its zero-centred norms look {looks}; the record and the "
+                              f"tensors disagree, so loading would shift the norms wrongly: re-convert from the original")
+
+
+def already_applied(metadata: dict[str, str], conv_shape: tuple[int, ...] | None, where="checkpoint") -> tuple[str, ...]:
     """Which fixes the stored weights already carry.
 
     The record written by qmtp decides; without one, a conv kernel in MLX layout ([C, K, 1]) marks an
     mlx-lm conversion, which shifted the norms in the same pass.
     """
-    record = recorded(metadata)
+    record = recorded(metadata, where)
     if record is not None:
         return record
     if conv_shape is not None and len(conv_shape) == 3 and conv_shape[-1] == 1 and conv_shape[1] != 1:

@@ -25,7 +25,7 @@ from .cache import KVCache, LinearCache, ModelCache
 from .checkpoint import Checkpoint
 from .config import LINEAR, ModelConfig
 from .deltanet import GatedDeltaNet
-from .errors import CheckpointError, QmtpError
+from .errors import CheckpointError, QmtpError, UsageError
 from .moe import SparseMoE
 from .mtp import MTPHead
 from .norms import RMSNorm
@@ -206,9 +206,15 @@ def resolve_path(path) -> Path:
     """An explicit path, else $QMTP_MODEL, else the bundled tiny model."""
     if path is None:
         path = os.environ.get("QMTP_MODEL") or BUNDLED_MODEL
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"path={path!r}: give a model directory as a str or pathlib.Path, not {type(path).__name__}")
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such model directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is not a directory; give the model directory (config.json and safetensors)")
     return path
 
 
@@ -226,6 +232,13 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     """
     path = resolve_path(path)
     requested = fixes_mod.validate(fixes)
+    if dtype is not None and not isinstance(dtype, mx.Dtype):
+        raise UsageError(f"dtype={dtype!r}: give an MLX dtype such as mlx.core.float16 (not a string)")
+    if dtype is not None and not mx.issubdtype(dtype, mx.floating):
+        raise UsageError(f"dtype={dtype}: weights are computed in a floating-point dtype (float32, float16, bfloat16)")
+    for flag, value in (("head", head), ("tokenizer", tokenizer)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{flag}={value!r} must be True or False")
     dtype = dtype or default_dtype()
     config = ModelConfig.from_file(path)
     ckpt = Checkpoint(path)
@@ -252,8 +265,13 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
             )
 
     conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    done = fixes_mod.already_applied(ckpt.metadata, conv_shape)
+    done = fixes_mod.already_applied(ckpt.metadata, conv_shape, path)
+    fixes_mod.check_against_tensors(ckpt, plan, done, path)  # a record the tensors contradict is not believed
     applying = fixes_mod.to_apply(requested, ckpt.metadata, conv_shape)
+    if config.tie_word_embeddings and any(layout.internal_name(n) == "lm_head.weight" for n in ckpt.names()):
+        warnings.warn(f"{path}: config.json says tie_word_embeddings: true, but the checkpoint stores its own "
+                      f"lm_head; following the config, lm_head is not used and embed_tokens scores the tokens",
+                      stacklevel=2)
 
     model = Model(config, head=with_head, head_routed_experts=head_routed)
     quantize_layers(model, widths)
@@ -286,7 +304,9 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         from .tokenizer import Tokenizer
 
         model.tokenizer = Tokenizer.from_dir(path)
+        model.tokenizer.check_fits(config.vocab_size, path)
     return model
+
 
 
 def quantize_layers(model: Model, widths: dict[str, tuple[int, int]]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from qmtp.checkpoint import write_atomic
+from qmtp.checkpoint import open_regular, read_json, write_atomic
 from qmtp.errors import CheckpointError, UsageError
 
 __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
@@ -27,6 +27,7 @@ __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # Qwen's tokenizer.json is about 11 MB
 
 
 def train_bpe(
@@ -158,23 +159,38 @@ class Tokenizer:
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: not a directory (expected a model directory holding {TOKENIZER_FILE})")
         tok_path = directory / TOKENIZER_FILE
-        if not tok_path.is_file():
+        if not tok_path.exists() and not tok_path.is_symlink():
             raise CheckpointError(f"{directory}: missing {TOKENIZER_FILE} (looked for {tok_path})")
+        with open_regular(tok_path, what=TOKENIZER_FILE) as f:  # a FIFO or a folder: one line, no hang
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
+        if len(data) > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(f"{tok_path}: more than {MAX_TOKENIZER_BYTES} bytes, too large for a tokenizer")
         try:
-            backend = tokenizers.Tokenizer.from_file(str(tok_path))
+            backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # the Rust side raises plain Exception on bad JSON
             raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from exc
         config: dict = {}
         cfg_path = directory / CONFIG_FILE
-        if cfg_path.is_file():
-            try:
-                loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{cfg_path}: not valid JSON: {exc}") from exc
+        if cfg_path.exists() or cfg_path.is_symlink():
+            loaded = read_json(cfg_path, what=CONFIG_FILE)
             if not isinstance(loaded, dict):
                 raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(loaded).__name__}")
             config = loaded
         return cls(backend, config)
+
+    def check_fits(self, vocab_size: int, where) -> None:
+        """Refuse a tokenizer of more ids than the model's embedding has rows (its ids would index past the
+        embedding); warn when it has far fewer (Qwen pads 248,077 ids to 248,320 rows, under 1% spare), since
+        then the model can generate ids that decode to no text."""
+        if self.vocab_size > vocab_size:
+            raise CheckpointError(f"{where}: tokenizer.json has {self.vocab_size} ids but the model's vocabulary has "
+                                  f"{vocab_size}: the tokenizer is another model's")
+        if self.vocab_size < vocab_size * 0.9:
+            import warnings
+
+            warnings.warn(f"{where}: tokenizer.json has {self.vocab_size} ids but the embedding has {vocab_size} "
+                          f"rows: any generated id from {self.vocab_size} up decodes to no text (another model's "
+                          f"tokenizer?)", stacklevel=3)
 
     def _find_eos_id(self) -> int | None:
         eos = self.backend.token_to_id(EOS_TOKEN)

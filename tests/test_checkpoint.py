@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from helpers import expect, rewrite
 import qmtp
+from qmtp import fixes as fixes_mod
 from qmtp import layout, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
 from qmtp.errors import (
@@ -383,6 +384,18 @@ def test_a_fix_left_out_is_a_warning_at_load_time(released, fixes, expected):
         assert any("norms used as stored (w, not 1 + w): output will be incoherent" in m for m in messages)
 
 
+def shift_stored_norms(file) -> None:
+    """Store every zero-centred norm of an F32 file as 1 + w, in place, as a conversion that applied the fix does."""
+    infos, _ = read_header(file)
+    with open(file, "r+b") as f:
+        for name, info in infos.items():
+            if fixes_mod.is_zero_centred_norm(layout.internal_name(name) or ""):
+                f.seek(info.offset)
+                w = np.frombuffer(f.read(info.nbytes), np.float32)
+                f.seek(info.offset)
+                f.write((w + 1).astype(np.float32).tobytes())
+
+
 def test_no_warning_for_fixes_the_weights_already_carry(tmp_path, released):
     """An mlx-lm conversion (conv kernel in MLX layout, so norms shifted too) loaded raw: nothing is left out."""
     path = write(tmp_path / "mlx")
@@ -391,6 +404,7 @@ def test_no_warning_for_fixes_the_weights_already_carry(tmp_path, released):
     convs = {n: ("F32", (i.shape[0], i.shape[2], 1)) for n, i in infos.items() if n.endswith("conv1d.weight")}
     assert convs
     rewrite(file, replace=convs)
+    shift_stored_norms(file)  # mlx-lm moves the conv axis and shifts the norms in one pass
     assert warnings_of(lambda: qmtp.load(path, fixes=())) == []
     assert qmtp.load(path, fixes=()).fixes_applied == ("norm", "conv")
 
@@ -471,7 +485,7 @@ def test_index_naming_a_missing_shard(fresh_sharded):
 
 def test_index_that_is_not_json(fresh_sharded):
     (fresh_sharded / INDEX_NAME).write_text("{not json")
-    expect(CheckpointError, lambda: qmtp.load(fresh_sharded), fresh_sharded / INDEX_NAME, "not a valid safetensors index")
+    expect(CheckpointError, lambda: qmtp.load(fresh_sharded), fresh_sharded / INDEX_NAME, "not valid JSON")
 
 
 def test_index_without_weight_map(fresh_sharded):

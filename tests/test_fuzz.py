@@ -580,3 +580,101 @@ def test_big_json_header_memory(scratch, read_sizes, body):
     peak = _peak_during(lambda: parse(path))
     assert read_sizes and all(0 <= n <= size for n in read_sizes), read_sizes
     assert peak < 50 * MB, f"read_header peaked at {peak / MB:.1f} MB on a {size / MB:.1f} MB file"
+
+
+# ---- 5. config.json and the index (issue 17): the same promise for the other JSON files qmtp reads ---------------
+from qmtp.config import ModelConfig  # noqa: E402
+from qmtp.errors import ConfigError  # noqa: E402
+
+_CONFIG_FIELDS = ["num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "num_experts_per_tok",
+                  "rms_norm_eps", "rope_theta", "max_position_embeddings", "layer_types", "tie_word_embeddings",
+                  "model_type", "text_config", "rope_parameters", "full_attention_interval", "mtp_num_hidden_layers"]
+
+
+@st.composite
+def config_texts(draw, base: dict):
+    """config.json text: the real one with a few fields replaced by fuzzier values (or spliced raw JSON)."""
+    raw = json.loads(json.dumps(base))
+    text = raw["text_config"]
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.sampled_from(_CONFIG_FIELDS))
+        target = raw if field in ("text_config", "model_type") and draw(st.booleans()) else text
+        target[field] = draw(json_values)
+    top = raw if draw(st.integers(0, 9)) else draw(json_values)
+    return dump(top, ascii_only=draw(st.booleans()))
+
+
+def test_config_json(real_checkpoint, scratch):
+    source, _, _ = real_checkpoint
+    base = json.loads((source / "config.json").read_text())
+
+    @fuzz(150)
+    @given(config_texts(base))
+    def run(text):
+        path = scratch / "fuzzed_config.json"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        start = time.perf_counter()
+        try:
+            config = ModelConfig.from_file(path)
+        except ConfigError as err:
+            assert str(path) in str(err) and "\n" not in str(err), str(err)[:300]
+            event("config: ConfigError")
+        else:
+            event("config: parsed")
+            assert config.num_hidden_layers <= 1024 and math.isfinite(config.rms_norm_eps)
+        assert time.perf_counter() - start < 10
+
+    run()
+
+
+@st.composite
+def index_texts(draw, weight_map: dict):
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(weight_map)}
+    if draw(st.integers(0, 9)) == 0:  # sometimes not an index at all
+        return dump(draw(json_values), ascii_only=draw(st.booleans()))
+    for _ in range(draw(st.integers(1, 3))):
+        what = draw(st.sampled_from(["value", "key", "drop", "map", "other"]))
+        names = sorted(index["weight_map"]) if isinstance(index["weight_map"], dict) else []
+        if what == "value" and names:
+            index["weight_map"][draw(st.sampled_from(names))] = draw(st.one_of(json_values, names_strategy))
+        elif what == "key":
+            if isinstance(index["weight_map"], dict):
+                index["weight_map"][draw(names_strategy)] = draw(st.sampled_from(sorted(set(weight_map.values()))))
+        elif what == "drop" and names:
+            del index["weight_map"][draw(st.sampled_from(names))]
+        elif what == "map":
+            index["weight_map"] = draw(json_values)
+        else:
+            index[draw(st.sampled_from(["metadata", "extra"]))] = draw(json_values)
+    return dump(index, ascii_only=draw(st.booleans()))
+
+
+names_strategy = st.one_of(names, st.sampled_from(["../x.safetensors", "/etc/passwd", "model-00001-of-00002.safetensors",
+                                                   "a/b.safetensors", "", "."]))
+
+
+def test_index(scratch):
+    source = synthetic.write_checkpoint(scratch / "sharded", synthetic.small_config(), shards=2)
+    weight_map = json.loads((source / ckpt_mod.INDEX_NAME).read_text())["weight_map"]
+    original = (source / ckpt_mod.INDEX_NAME).read_text()
+
+    @fuzz(150)
+    @given(index_texts(weight_map))
+    def run(text):
+        index = source / ckpt_mod.INDEX_NAME
+        index.write_text(text, encoding="utf-8", errors="surrogatepass")
+        start = time.perf_counter()
+        try:
+            ckpt = Checkpoint(source)
+        except CheckpointError as err:
+            assert str(source) in str(err), str(err)[:300]
+            event("index: CheckpointError")
+        else:
+            event("index: opened")
+            assert all(ckpt.infos[n].file.name == s for n, s in ckpt.index.items())
+        assert time.perf_counter() - start < 10
+
+    try:
+        run()
+    finally:
+        (source / ckpt_mod.INDEX_NAME).write_text(original)
