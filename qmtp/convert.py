@@ -59,10 +59,12 @@ copied. They differ in:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -74,8 +76,8 @@ import numpy as np
 from . import __version__
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, shard_groups, shard_name, tensor_bytes,
-                         write_index, write_safetensors)
+from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, open_regular, read_json, shard_groups,
+                         shard_name, tensor_bytes, write_index, write_safetensors)
 from .config import ModelConfig
 from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
 from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
@@ -153,7 +155,7 @@ def _width(value: int | None) -> int:
 def converted_reason(ckpt: Checkpoint, raw_config: dict, conv_shape) -> str | None:
     """Why a checkpoint already is a conversion (qmtp's, mlx-lm's, or another quantized one), or None."""
     if fixes_mod.METADATA_KEY in ckpt.metadata:
-        return f"its metadata records the fixes {json.loads(ckpt.metadata[fixes_mod.METADATA_KEY])} as applied"
+        return f"its metadata records the fixes {list(fixes_mod.recorded(ckpt.metadata, ckpt.path))} as applied"
     if ckpt.metadata.get("format") == "mlx":
         return "its safetensors metadata says format: mlx"
     if "quantization" in raw_config or "quantization_config" in raw_config:
@@ -162,7 +164,7 @@ def converted_reason(ckpt: Checkpoint, raw_config: dict, conv_shape) -> str | No
         return "it holds quantized tensors (.scales/.biases)"
     if any(n.startswith(layout.MLX_TRUNK_PREFIX) for n in ckpt.names()):
         return f"its tensors are named as mlx-lm writes them ({layout.MLX_TRUNK_PREFIX}*)"
-    if fixes_mod.already_applied(ckpt.metadata, conv_shape):
+    if fixes_mod.already_applied(ckpt.metadata, conv_shape, ckpt.path):
         return "its conv kernels are in MLX layout [C, K, 1], so its norms are already shifted"
     return None
 
@@ -210,7 +212,7 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     if not src.is_dir():
         raise UsageError(f"{src}: give the checkpoint directory (with config.json), not a file")
     config = ModelConfig.from_file(src)  # ConfigError when config.json is missing or unusable
-    raw_config = json.loads((src / "config.json").read_text())
+    raw_config = read_json(src / "config.json")
     ckpt = Checkpoint(src)  # CheckpointError when there are no weights
 
     plan = layout.plan(ckpt, config)
@@ -219,7 +221,16 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     if reason:
         raise UsageError(f"{src}: is already converted ({reason}); converting it again would shift the norms a "
                          f"second time: convert the original checkpoint instead")
+    fixes_mod.check_against_tensors(ckpt, plan, (), src)  # norms already shifted under a PyTorch conv layout
     _check_destination(src, dst, force)
+    with _DestinationLock(dst) as lock:
+        return _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, plan, bits, group_size,
+                               mtp_bits, router_bits, lm_head_bits, shards, allow_incomplete_head, progress)
+
+
+def _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, plan, bits, group_size, mtp_bits,
+                    router_bits, lm_head_bits, shards, allow_incomplete_head, progress) -> Conversion:
+    _check_destination(src, dst, force)  # again, under the lock: another run may have finished meanwhile
 
     widths = layout.quantization(ckpt, plan, config)  # empty here: quantized sources were refused above
     layout.check_shapes(ckpt, plan, config, widths)
@@ -253,10 +264,12 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
         "qmtp.source_digest": digest,
     }
 
-    tmp = dst.with_name(f".{dst.name}.qmtp-partial")
-    shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted run left
+    _remove_leftovers(dst)  # what an interrupted run left (only the lock holder writes these)
+    tmp = None
     try:
-        tmp.mkdir(parents=True)
+        lock.make_parents()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.qmtp-partial-", dir=dst.parent))
+        os.chmod(tmp, 0o777 & ~_umask())
         # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves.
         largest = max(info.nbytes for info in ckpt.infos.values())
         cache_limit = min(4 * largest, MAX_CACHE_BYTES)
@@ -271,10 +284,14 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
             shutil.copyfile(f, tmp / f.name)
         replace_directory(tmp, dst)
     except OSError as err:  # disk full, permissions: nothing that looks complete stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lock.remove_parents()
         raise QmtpError(f"{dst}: writing the conversion failed ({err.strerror or err}); nothing was left behind") from None
-    except BaseException:  # an error or Ctrl-C mid-way: the same
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:  # an error, Ctrl-C or SIGTERM mid-way: the same
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lock.remove_parents()
         raise
 
     trunk = sum(t.nbytes for t in policy.values() if not t.is_head)
@@ -282,15 +299,161 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
                       done, head, digest, files)
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest folder of `path` (itself excluded) that exists; raises if a regular file stands in the way."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UsageError(f"{path}: {parent} is a file, not a directory, so nothing can be written below it")
+            return parent
+    return Path(path.anchor or ".")
+
+
+def is_conversion(directory: Path) -> bool:
+    """True for a folder that a previous `convert` wrote (its config.json carries a qmtp block)."""
+    try:
+        raw = read_json(directory / "config.json")
+    except QmtpError:
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("qmtp"), dict)
+
+
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
     s, d = src.resolve(), dst.resolve()
     if s == d or d in s.parents:
         raise UsageError(f"{dst}: the destination would replace the source {src}; choose another directory")
-    if dst.exists() or dst.is_symlink():
+    cwd = Path.cwd().resolve()
+    if d == cwd or d in cwd.parents:
+        raise UsageError(f"{dst}: is the current directory or holds it; choose a new directory to write into")
+    ancestor = _existing_ancestor(dst.absolute())
+    if dst.is_symlink():
+        raise UsageError(f"{dst}: is a symbolic link (to {os.readlink(dst)}); give the folder itself or a new name")
+    if dst.exists():
         if not force:
             raise UsageError(f"{dst}: already exists; pass --force (force=True) to replace it")
         if not dst.is_dir():
             raise UsageError(f"{dst}: exists and is not a directory; remove it yourself")
+        if any(dst.iterdir()) and not is_conversion(dst):
+            raise UsageError(f"{dst}: --force replaces only an earlier conversion (a config.json with a qmtp block) "
+                             f"or an empty folder, and this folder is neither; remove it yourself or choose another")
+    _check_writable(ancestor)
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise QmtpError(f"{folder}: is on a read-only filesystem; choose a destination on a writable one")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise QmtpError(f"{folder}: is not writable by this user; choose another destination")
+
+
+def _remove_leftovers(dst: Path) -> None:
+    for stale in dst.parent.glob(f".{glob_escape(dst.name)}.qmtp-*") if dst.parent.is_dir() else ():
+        if stale.name.endswith(".qmtp-lock"):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
+class _DestinationLock:
+    """An exclusive lock on one destination, held for the whole conversion, so two runs never write it at once.
+
+    The lock file `.DST.qmtp-lock` sits beside DST and is removed when the holder is done; a run that finds it
+    locked stops at once and says so. (A removed lock file may still be held by a run that opened it before the
+    removal: the holder checks after locking that the file it holds is the one at the path.) Folders created
+    on the way to DST are recorded, so a failed run removes them again.
+    """
+
+    def __init__(self, dst: Path):
+        self.dst = dst.absolute()
+        self.created: list[Path] = []
+        self.fd = None
+        self.path = None
+
+    def __enter__(self):
+        import fcntl
+
+        parent = self.dst.parent
+        if not parent.exists():
+            self.make_parents()
+        self.path = parent / f".{self.dst.name}.qmtp-lock"
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+            except OSError as err:
+                self.remove_parents()
+                if err.errno == errno.EROFS:
+                    raise QmtpError(f"{parent}: is on a read-only filesystem; choose a destination on a writable one") from None
+                raise QmtpError(f"{self.path}: cannot create the destination's lock ({err.strerror or err})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self.remove_parents()
+                raise QmtpError(f"{self.dst}: another conversion is writing this destination right now; wait for it "
+                                f"to finish (then --force replaces its result) or choose another destination") from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)  # the holder before us removed this file: lock the new one
+
+    def make_parents(self) -> None:
+        missing = [p for p in [self.dst.parent, *self.dst.parent.parents] if not p.exists()]
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue
+            except OSError as err:
+                self.remove_parents()
+                if err.errno == errno.EROFS:
+                    raise QmtpError(f"{folder.parent}: is on a read-only filesystem; choose a destination on a "
+                                    f"writable one") from None
+                raise QmtpError(f"{folder}: cannot be created ({err.strerror or err})") from None
+            self.created.append(folder)
+
+    def remove_parents(self) -> None:
+        if self.fd is not None and self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self.created = []
+
+    def __exit__(self, kind, value, traceback):
+        if kind is not None:  # refused or failed: the folders made on the way go again
+            self.remove_parents()
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+        return False
 
 
 def _check_head(src: Path, plan: layout.Plan, config: ModelConfig, allow_incomplete: bool) -> str:
@@ -317,8 +480,8 @@ def _check_head(src: Path, plan: layout.Plan, config: ModelConfig, allow_incompl
 
 
 def _check_disk_space(dst: Path, needed: int) -> None:
-    parent = dst.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    parent = dst.parent if dst.parent.exists() else _existing_ancestor(dst.absolute())
+    _check_writable(parent)
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise QmtpError(f"{parent}: {free / 1e9:.2f} GB free, but the conversion needs about {needed / 1e9:.2f} GB; "
@@ -344,7 +507,7 @@ def _flush_to_disk(directory: Path) -> None:
     """fsync every file of `directory` and the directory itself, so that after a crash or power cut the
     renamed folder never holds files the disk has only partly received."""
     for file in directory.iterdir():
-        with open(file, "rb") as f:
+        with open_regular(file) as f:
             os.fsync(f.fileno())
     descriptor = os.open(directory, os.O_RDONLY)
     try:
