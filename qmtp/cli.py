@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +34,30 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def positive_int(text: str) -> int:
+    """A count that must be 1 or more (repeats, prompts, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
+def json_destination(text: str) -> Path:
+    """--json FILE: checked before the run (a benchmark takes minutes), not after it."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name to write the results to")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(parent)!r}, the folder of {text!r}, does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{str(parent)!r} is not writable")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m qmtp", description="Qwen3.6-35B-A3B and its MTP head on MLX.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -40,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
     chat.add_argument("--use-mtp", nargs="?", const=True, default=False, type=parse_bool, metavar="BOOL",
                       help="draft with the MTP head (--use-mtp, --use-mtp=true, --use-mtp=false)")
-    chat.add_argument("--n-draft", type=int, default=2,
+    chat.add_argument("--n-draft", type=int, default=None,
                       help="tokens per trunk pass counting the trunk's own (2 = one head draft); needs --use-mtp")
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
@@ -69,20 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     mtp = benches.add_parser("mtp", help="plain vs MTP decoding for n_draft 1 to 5, interleaved in one run")
     mtp.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
-    mtp.add_argument("--max-tokens", type=int, default=64)
-    mtp.add_argument("--repeats", type=int, default=3)
-    mtp.add_argument("--prompts-per-register", type=int, default=2)
-    mtp.add_argument("--n-draft-max", type=int, default=5)
-    mtp.add_argument("--json", type=Path, help="also write the results here")
+    mtp.add_argument("--max-tokens", type=positive_int, default=64)
+    mtp.add_argument("--repeats", type=positive_int, default=3)
+    mtp.add_argument("--prompts-per-register", type=positive_int, default=2)
+    mtp.add_argument("--n-draft-max", type=positive_int, default=5)
+    mtp.add_argument("--json", type=json_destination, help="also write the results here")
     decode = benches.add_parser("decode", help="plain greedy decoding, qmtp against mlx-lm, interleaved in one run")
     decode.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
     decode.add_argument("--scaled", type=Path, metavar="DIR",
                         help="instead of MODEL: a synthetic model of the real layer widths (4 layers, 64 experts, "
                              "4-bit), written to DIR on first use")
-    decode.add_argument("--max-tokens", type=int, help="tokens per prompt (default 64; 16 with --scaled)")
-    decode.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 3 with --scaled)")
-    decode.add_argument("--prompts", type=int, help="how many prompts (default 5, one per register; 2 with --scaled)")
-    decode.add_argument("--json", type=Path, help="also write the results here")
+    decode.add_argument("--max-tokens", type=positive_int, help="tokens per prompt (default 64; 16 with --scaled)")
+    decode.add_argument("--repeats", type=positive_int, help="interleaved rounds (default 5; 3 with --scaled)")
+    decode.add_argument("--prompts", type=positive_int, help="how many prompts (default 5, one per register; 2 with --scaled)")
+    decode.add_argument("--json", type=json_destination, help="also write the results here")
     conv = benches.add_parser("convert", help="qmtp convert against mlx_lm.convert and cp on a synthetic checkpoint")
     conv.add_argument("--workdir", type=Path, metavar="DIR",
                       help="keep the synthetic source here and reuse it (default: a temporary folder, removed)")
@@ -90,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 4)")
     conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     conv.add_argument("--rounds", type=int, default=2, help="rounds of the three commands (default 2)")
-    conv.add_argument("--json", type=Path, help="also write the results here")
+    conv.add_argument("--json", type=json_destination, help="also write the results here")
     return parser
 
 
@@ -121,7 +147,7 @@ def convert(args) -> int:
 
 
 def _warn_line(message, category, filename, lineno, file=None, line=None):
-    print(f"qmtp: warning: {message}", file=sys.stderr, flush=True)
+    print(f"qmtp: warning: {one_line(str(message))}", file=sys.stderr, flush=True)
 
 
 def doctor(args) -> int:
@@ -188,8 +214,13 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
     conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    recorded = fixes_mod.recorded(ckpt.metadata)
-    carried = fixes_mod.already_applied(ckpt.metadata, conv_shape)
+    recorded = fixes_mod.recorded(ckpt.metadata, path)
+    carried = fixes_mod.already_applied(ckpt.metadata, conv_shape, path)
+    try:
+        fixes_mod.check_against_tensors(ckpt, plan, carried, path)
+    except QmtpError as err:
+        print(f"fixes: RECORD AND TENSORS DISAGREE ({err})")
+        problems.append(str(err))
     source = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
     print(f"fixes in the weights: {', '.join(carried) or 'none'} ({source}); qmtp.load applies: "
           f"{', '.join(fixes_mod.still_needed(carried, conv_shape is not None)) or 'nothing'}")
@@ -252,6 +283,10 @@ def bench(args) -> int:
         args.repeats = args.repeats or (3 if scaled else 5)
     model = load(args.model)
     if args.bench == "mtp":
+        from .speculative import MAX_N_DRAFT
+
+        if args.n_draft_max > MAX_N_DRAFT:
+            raise UsageError(f"--n-draft-max {args.n_draft_max} is out of range: use 1 to {MAX_N_DRAFT}")
         model.require_head()
         prompts = _bench_prompts(model, args.prompts_per_register)
     else:
@@ -292,6 +327,11 @@ def chat(args) -> int:
     from .speculative import MAX_N_DRAFT, generate
 
     # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
+    if args.n_draft is not None and args.n_draft > 1 and not args.use_mtp:
+        raise UsageError(f"--n-draft {args.n_draft} drafts with the MTP head, which needs --use-mtp; add --use-mtp "
+                         f"(or leave --n-draft out for plain decoding)")
+    if args.n_draft is None:
+        args.n_draft = 2 if args.use_mtp else 1
     if not 1 <= args.n_draft <= MAX_N_DRAFT:
         raise UsageError(f"--n-draft {args.n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
     if args.use_mtp and args.n_draft < 2:
@@ -304,7 +344,7 @@ def chat(args) -> int:
         model.require_head()
     if model.tokenizer is None:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
-    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
+    prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
     for prompt in prompts:
         g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
                      temperature=args.temperature, seed=args.seed)
@@ -312,10 +352,20 @@ def chat(args) -> int:
         s = g.stats
         line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"
         if n_draft > 1:
-            per_position = ", ".join(f"{a:.2f}" for a in s.acceptance)
+            # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
+            per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
             line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
         print(line + "]", file=sys.stderr, flush=True)
     return 0
+
+
+def _utf8_argument(text: str, flag: str) -> str:
+    """Undecodable bytes in argv arrive as lone surrogates (PEP 383), which the tokenizer refuses with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UsageError(f"{flag}: not valid UTF-8 (byte {err.start}); give UTF-8 text") from None
+    return text
 
 
 def _stdin_prompts():
@@ -323,9 +373,14 @@ def _stdin_prompts():
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             return
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"stdin: a prompt line is not valid UTF-8 ({err.reason} at byte {err.start}); give "
+                             f"UTF-8 text") from None
         line = line.rstrip("\n")
         if line:
             yield line
@@ -342,13 +397,51 @@ def _one_line_warnings():
 COMMANDS = {"chat": chat, "convert": convert, "doctor": doctor, "bench": bench}
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C's KeyboardInterrupt, so the same cleanup runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def one_line(text: str) -> str:
+    """A message on one line whatever it quotes: a path with a newline in it keeps the newline escaped."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv=None) -> int:
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _raise_terminated)
     try:
         args = build_parser().parse_args(argv)
         with _one_line_warnings():
             return COMMANDS[args.command](args)
     except QmtpError as err:
-        print(f"qmtp: error: {err}", file=sys.stderr)
+        print(f"qmtp: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except OSError as err:  # a file the checks above could not foresee (permissions changed, a disk error)
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"qmtp: error: {one_line(where + (err.strerror or str(err)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated as stop:
+        return 128 + stop.signum
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader went away (`| head -1`): stop quietly, as a shell tool does, with 128 + SIGPIPE; stdout now
+    points at /dev/null so Python's flush at exit does not complain about the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141

@@ -44,11 +44,11 @@ PROMPT = "Once upon a time"
 
 
 # ---- running the command line -------------------------------------------------------------------------------
-def run(*argv, env=None, **kwargs) -> subprocess.CompletedProcess:
+def run(*argv, env=None, timeout=120, **kwargs) -> subprocess.CompletedProcess:
     environment = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     environment.pop("QMTP_MODEL", None)
     return subprocess.run([sys.executable, "-m", "qmtp", *map(str, argv)], capture_output=True, text=True,
-                          env=environment, timeout=120, **kwargs)
+                          env=environment, timeout=timeout, **kwargs)
 
 
 def chat(model, *args, prompt=PROMPT, **kwargs):
@@ -349,10 +349,11 @@ def test_chat_with_a_corrupt_tokenizer(make):
 
 
 def test_chat_with_another_models_tokenizer(make, tokenizer):
-    """A tokenizer larger than the model's vocabulary: its ids would index past the embedding (a crash)."""
+    """A tokenizer larger than the model's vocabulary: its ids would index past the embedding (a crash); refused
+    at load, before any prompt."""
     path = make("small_vocab", config=synthetic.small_config(), tokenizer_files=False)  # vocab 97
     save(tokenizer, path)
-    print(one_line_error(chat(path), "prompt token id", "outside the vocabulary", path, "0..96", "tokenizer"))
+    print(one_line_error(chat(path), path, f"tokenizer.json has {VOCAB} ids", "vocabulary has 97", "another model's"))
 
 
 FLAG_CASES = {  # name -> (chat flags, fragments of the error line)
@@ -595,3 +596,350 @@ def test_chat_on_damaged_weights_says_so(make, flags):
     poke(path, P + "layers.0.input_layernorm.weight", np.nan)
     result = run("chat", path, "--prompt", "hello", "--max-tokens", "4", *flags)
     print(one_line_error(result, path, "NaN or Inf logits", "doctor MODEL --scan"))
+
+
+# ---- issue 17: hostile and careless use, second round ------------------------------------------------------------
+def _clean(result) -> bool:
+    """Exit 0, or exit 2 with one qmtp error line; never a traceback."""
+    if "Traceback" in result.stderr:
+        return False
+    if result.returncode == 0:
+        return True
+    errors = [line for line in lines(result.stderr) if not line.startswith("qmtp: warning: ")]
+    return result.returncode == 2 and len(errors) == 1 and errors[0].startswith("qmtp: error: ")
+
+
+def _conversions_equal(dst: Path, reference: Path) -> bool:
+    return tree_digest(dst) == tree_digest(reference)
+
+
+@pytest.fixture(scope="module")
+def references(good):
+    """The uninterrupted conversions at 4 and 8 bits, to compare what concurrent runs leave with."""
+    out = {}
+    for bits in ("4", "8"):
+        dst = good.parent / f"reference{bits}"
+        assert run("convert", good, dst, "--bits", bits, "--quiet").returncode == 0
+        out[bits] = dst
+    return out
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_concurrent_conversions_never_mix_or_lose_a_result(good, references, tmp_path, force):
+    """Two real processes converting into one destination at once (4-bit and 8-bit): whoever wins, the result is
+    exactly one complete conversion that one of the winners reported; a loser says why in one line; no leftovers."""
+    for trial in range(3):
+        work = tmp_path / f"trial{trial}"
+        work.mkdir()
+        dst = work / "out"
+        if force:
+            shutil.copytree(references["8"], dst)
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        procs = [subprocess.Popen([sys.executable, "-m", "qmtp", "convert", str(good), str(dst), "--bits", bits,
+                                   "--quiet", *(["--force"] if force else [])], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for bits in ("4", "8")]
+        outcomes = [(p, *p.communicate(timeout=120)) for p in procs]
+        results = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, out, err in outcomes]
+        assert all(_clean(r) for r in results), [r.stderr for r in results]
+        winners = [bits for bits, r in zip(("4", "8"), results) if r.returncode == 0]
+        assert winners, [r.stderr for r in results]
+        assert any(_conversions_equal(dst, references[bits]) for bits in winners), f"trial {trial}: mixed result"
+        for r in results:
+            if r.returncode:
+                assert "already exists" in r.stderr or "another conversion" in r.stderr, r.stderr
+        assert leftovers(dst) == [], leftovers(dst)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_terminated_conversion_leaves_nothing(tmp_path, tokenizer, signum):
+    """SIGTERM and SIGHUP clean up like Ctrl-C: no partial folder, no lock, no destination."""
+    src = synthetic.write_checkpoint(tmp_path / "src", BIG, dtype="BF16", seed=0)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "qmtp", "convert", src, work / "out", "--quiet"],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while proc.poll() is None and not list(work.glob(".out.qmtp-partial*")) and time.time() < deadline:
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the conversion finished before it could be interrupted")
+    proc.send_signal(signum)
+    err = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    assert list(work.iterdir()) == []
+
+
+def test_a_failed_conversion_removes_the_folders_it_created(crippled, tmp_path):
+    print(one_line_error(run("convert", crippled, tmp_path / "a" / "b" / "out", "--quiet"), "no routed experts"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _replace_with_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+FIFO_CASES = {"config.json": 1, INDEX_NAME: 2, SHARD2: 2, "tokenizer.json": 1, "tokenizer_config.json": 1}
+
+
+@pytest.mark.parametrize("name", list(FIFO_CASES))
+def test_a_fifo_never_hangs(make, name, tmp_path):
+    path = make(f"fifo_{name}", shards=FIFO_CASES[name])
+    _replace_with_fifo(path / name)
+    started = time.perf_counter()
+    result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "2", timeout=30)
+    assert time.perf_counter() - started < 30
+    print(one_line_error(result, path / name, "FIFO", "not a regular file"))
+    if not name.startswith("tokenizer"):
+        one_line_error(run("doctor", path, timeout=30), "FIFO")
+        one_line_error(run("convert", path, tmp_path / "out", "--quiet", timeout=30), "FIFO")
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME, "tokenizer_config.json"])
+def test_a_json_file_linked_to_dev_zero_is_refused(make, name):
+    path = make(f"zero_{name}", shards=2)
+    (path / name).unlink()
+    (path / name).symlink_to("/dev/zero")
+    print(one_line_error(chat(path), path / name, "a device", "not a regular file"))
+
+
+def _splice(path: Path, text: str) -> None:
+    """Add a field whose JSON value is `text`, verbatim."""
+    raw = json.loads(path.read_text())
+    raw["qmtp_test_extra"] = "@@"
+    path.write_text(json.dumps(raw).replace('"@@"', text))
+
+
+HOSTILE_JSON = {"deep nesting": "[" * 100_000 + "]" * 100_000, "a huge integer": "1" * 5000,
+                "NaN": "NaN", "a duplicate key": '1, "qmtp_test_extra": 2'}
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME, "tokenizer_config.json"])
+@pytest.mark.parametrize("kind", list(HOSTILE_JSON))
+def test_hostile_json_in_every_file_qmtp_reads(make, name, kind):
+    path = make(f"json_{name}_{kind.replace(' ', '_')}", shards=2)
+    _splice(path / name, HOSTILE_JSON[kind])
+    print(f"{kind} in {name}: {one_line_error(chat(path), path / name, 'not valid JSON')}")
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX_NAME])
+def test_a_folder_where_a_json_file_should_be(make, name):
+    path = make(f"folder_{name}", shards=2)
+    (path / name).unlink()
+    (path / name).mkdir()
+    print(one_line_error(run("doctor", path), path / name, "directory"))
+
+
+CONFIG_VALUES = {  # field -> JSON text of a value that must be refused
+    "num_hidden_layers": "1000000000", "num_experts": "1000000000", "max_position_embeddings": "1" + "0" * 30,
+    "rms_norm_eps": "Infinity", "rope_theta": "1e300", "vocab_size": "9" * 4000,
+}
+
+
+@pytest.mark.parametrize("field", list(CONFIG_VALUES))
+def test_config_values_are_range_checked(make, field):
+    path = make(f"range_{field}")
+    raw = json.loads((path / "config.json").read_text())
+    text = raw["text_config"]
+    text[field] = "@@"
+    text.pop("layer_types", None)
+    text.get("rope_parameters", {}).pop(field, None)
+    (path / "config.json").write_text(json.dumps(raw).replace('"@@"', CONFIG_VALUES[field]))
+    started = time.perf_counter()
+    print(one_line_error(run("doctor", path, timeout=30), "config.json"))
+    assert time.perf_counter() - started < 30
+
+
+def _header(file: Path):
+    blob = file.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def _write_header(file: Path, text: str, data: bytes) -> None:
+    raw = text.encode()
+    raw += b" " * (-len(raw) % 8)
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_overlapping_tensors_are_refused(make):
+    path = make("overlap")
+    file = path / "model.safetensors"
+    header, data = _header(file)
+    same = [n for n, e in header.items() if n != "__metadata__" and e["shape"] == [24, 32]]
+    header[same[1]]["data_offsets"] = list(header[same[0]]["data_offsets"])
+    _write_header(file, json.dumps(header), data)
+    print(one_line_error(run("doctor", path), file, "overlap"))
+
+
+def test_a_duplicate_tensor_name_is_refused(make):
+    path = make("duplicate")
+    file = path / "model.safetensors"
+    header, data = _header(file)
+    name = next(n for n in header if n.endswith("norm.weight"))
+    text = json.dumps(header)
+    _write_header(file, text[:-1] + ", " + json.dumps({name: header[name]})[1:-1] + "}", data)
+    print(one_line_error(run("doctor", path), file, "appears twice"))
+
+
+def _set_fixes_record(path: Path, record: str, shift_norms: bool = False, mlx_conv: bool = False) -> None:
+    file = path / "model.safetensors"
+    header, data = _header(file)
+    data = bytearray(data)
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        internal = qmtp.layout.internal_name(name) or ""
+        if shift_norms and qmtp.fixes.is_zero_centred_norm(internal):
+            begin, end = entry["data_offsets"]
+            data[begin:end] = (np.frombuffer(bytes(data[begin:end]), np.float32) + 1).tobytes()
+        if mlx_conv and internal.endswith("conv1d.weight"):
+            C, _, K = entry["shape"]
+            entry["shape"] = [C, K, 1]
+    header["__metadata__"] = {"format": "pt", "qmtp.fixes": record}
+    _write_header(file, json.dumps(header), bytes(data))
+
+
+FIXES_RECORDS = {  # name -> (record, shift the norms, conv in MLX layout, fragment)
+    "says conv only, norms shifted": ('["conv"]', True, True, "norms look already shifted"),
+    "says both, conv in PyTorch layout": ('["norm", "conv"]', False, False, "PyTorch layout"),
+    "says none, conv in MLX layout": ("[]", False, True, "MLX layout"),
+    "not JSON": ("not json", False, False, "not valid JSON"),
+    "deeply nested": ("[" * 5000 + "]" * 5000, False, False, "not valid JSON"),
+    "unknown fix": ('["norm", "bogus"]', False, False, "not a list of fix names"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIXES_RECORDS))
+def test_a_fixes_record_the_tensors_contradict_is_refused(make, case):
+    record, shift, mlx_conv, fragment = FIXES_RECORDS[case]
+    path = make(f"record_{case.replace(' ', '_').replace(',', '')}")
+    _set_fixes_record(path, record, shift, mlx_conv)
+    print(f"{case}: {one_line_error(chat(path), 'qmtp.fixes', fragment)}")
+    one_line_error(run("doctor", path), "qmtp.fixes")
+
+
+def test_shifted_norms_without_a_record_are_not_shifted_again(make, tmp_path):
+    path = make("shifted_no_record")
+    file = path / "model.safetensors"
+    _set_fixes_record(path, "[]", shift_norms=True)
+    header, data = _header(file)
+    header["__metadata__"] = {"format": "pt"}
+    _write_header(file, json.dumps(header), data)
+    print(one_line_error(chat(path), "norms look already shifted"))
+    one_line_error(run("convert", path, tmp_path / "out", "--quiet"), "norms look already shifted")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tied_embeddings_with_a_stored_lm_head_say_so(make):
+    path = make("tied")
+    raw = json.loads((path / "config.json").read_text())
+    raw["tie_word_embeddings"] = raw["text_config"]["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(raw))
+    result = chat(path)
+    assert result.returncode == 0 and "tie_word_embeddings: true" in result.stderr and "lm_head" in result.stderr
+
+
+def test_a_tokenizer_much_smaller_than_the_embedding_warns(make, tokenizer):
+    path = make("wide_embedding", config=synthetic.small_config(vocab_size=5000), tokenizer_files=False)
+    save(tokenizer, path)
+    result = chat(path)
+    warning = [line for line in lines(result.stderr) if line.startswith("qmtp: warning: ")]
+    assert result.returncode == 0 and len(warning) == 1, result.stderr
+    assert f"{VOCAB} ids" in warning[0] and "5000 rows" in warning[0]
+
+
+def test_undecodable_prompts_are_one_line(good):
+    result = subprocess.run([sys.executable.encode(), b"-m", b"qmtp", b"chat", str(good).encode(), b"--prompt",
+                             b"\xff\xfe hi"], capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    helpers.one_line_error(result.stderr.decode(), "--prompt", "not valid UTF-8")
+    assert result.returncode == 2
+    result = run("chat", good, "--max-tokens", "2", input="\udcff bad\n".encode("utf-8", "surrogateescape").decode(
+        "latin-1"))
+    assert result.returncode in (0, 2) and "Traceback" not in result.stderr
+    raw = subprocess.run([sys.executable, "-m", "qmtp", "chat", str(good), "--max-tokens", "2"], input=b"\xff\xfe\n",
+                         capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert raw.returncode == 2
+    helpers.one_line_error(raw.stderr.decode(), "stdin", "not valid UTF-8")
+
+
+def test_a_closed_stdout_is_quiet(good):
+    script = (f"printf 'a\\nb\\nc\\n' | {sys.executable} -m qmtp chat {good} --max-tokens 20 2>err.txt | head -c 1 "
+              f">/dev/null; {sys.executable} -m qmtp doctor {good} 2>>err.txt | head -1 >/dev/null; cat err.txt")
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=good.parent,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    assert "Traceback" not in result.stdout and "Exception ignored" not in result.stdout, result.stdout
+
+
+def test_force_replaces_only_a_conversion(good, converted, tmp_path):
+    """--force over a folder that no conversion wrote (the current one, home, a symlink) is refused."""
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    print(one_line_error(run("convert", good, keep, "--force", "--quiet"), "replaces only an earlier conversion"))
+    print(one_line_error(run("convert", good, ".", "--force", "--quiet", cwd=keep), "current directory"))
+    (tmp_path / "link").symlink_to(converted)
+    print(one_line_error(run("convert", good, tmp_path / "link", "--force", "--quiet"), "symbolic link"))
+    assert (keep / "notes.txt").read_text() == "mine" and (tmp_path / "link").is_symlink()
+    (tmp_path / "file").write_text("x")
+    print(one_line_error(run("convert", good, tmp_path / "file" / "out", "--quiet"), "is a file, not a directory"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "mine"]
+
+
+def _read_only_mount() -> Path | None:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 3 and "ro" in parts[3].split(",") and Path(parts[1]).is_dir():
+            return Path(parts[1])
+    return None
+
+
+def test_a_read_only_filesystem_is_named_as_such(good):
+    mount = _read_only_mount()
+    if mount is None:
+        pytest.skip("no read-only filesystem mounted here")
+    result = run("convert", good, mount / "qmtp-out", "--quiet")
+    line = one_line_error(result, "read-only filesystem")
+    assert "GB free" not in line
+
+
+def test_a_newline_in_a_path_stays_on_one_line(tmp_path):
+    print(one_line_error(chat(tmp_path / "no\nsuch"), "no\\nsuch"))
+
+
+BENCH_FLAGS = {"--repeats": "0", "--prompts-per-register": "0", "--max-tokens": "-1", "--n-draft-max": "0"}
+
+
+@pytest.mark.parametrize("flag", list(BENCH_FLAGS))
+def test_bench_mtp_counts_must_be_positive(good, flag):
+    print(one_line_error(run("bench", "mtp", good, flag, BENCH_FLAGS[flag]), flag, "give 1 or more"))
+
+
+def test_bench_json_is_checked_before_the_run(good, tmp_path):
+    started = time.perf_counter()
+    for bench in ("mtp", "decode", "convert"):
+        print(one_line_error(run("bench", bench, *([good] if bench != "convert" else []), "--json", tmp_path),
+                             "--json", "is a directory"))
+    one_line_error(run("bench", "mtp", good, "--json", tmp_path / "absent" / "x.json"), "--json", "does not exist")
+    assert time.perf_counter() - started < 60  # refused at parse time, not after minutes of benchmark
+
+
+def test_n_draft_without_use_mtp_is_refused(good):
+    print(one_line_error(chat(good, "--n-draft", "5"), "--n-draft 5", "--use-mtp"))
+
+
+def test_positions_never_reached_are_not_nan(good):
+    result = chat(good, "--use-mtp", "--n-draft", "8", "--max-tokens", "3")
+    assert result.returncode == 0 and "nan" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("call", ["qmtp.load(123)", "qmtp.load(GOOD, dtype='float16')", "qmtp.load(GOOD, head='yes')",
+                                  "qmtp.load(GOOD, dtype=mx.int32)", "qmtp.load(GOOD / 'config.json')"])
+def test_load_validates_its_arguments(good, call):
+    import mlx.core as mx  # noqa: F401 - used by the calls
+
+    with pytest.raises(QmtpError) as info:
+        eval(call, {"qmtp": qmtp, "GOOD": good, "mx": mx})  # noqa: S307 - a fixed table of calls
+    assert "\n" not in str(info.value)
+    print(f"{call}: {type(info.value).__name__}: {info.value}")
