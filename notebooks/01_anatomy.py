@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -18,8 +20,24 @@
 # its dtype, its shape and where its bytes lie. Everything in this chapter is read from those headers
 # alone, so it runs the same on the bundled tiny model and on the full release
 # (`QMTP_MODEL=/path/to/Qwen3.6-35B-A3B`).
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - what a safetensors header tells without reading a single weight: every tensor's part, kind, dtype and
+#   shape;
+# - the layer pattern of the hybrid trunk (linear attention three times, then full attention);
+# - the real model's parameter counts and file sizes, computed from its `config.json` alone.
+#
+# **What runs here.** Headers and a config are read, nothing is loaded or executed on the model: the same
+# cells run on the bundled tiny model and on the full release (`QMTP_MODEL`). The chapter's run time in this
+# build is in the {doc}`execution table <../book/execution>`; the download button at the top of the page gives
+# this notebook, to run it yourself.
+# :::
 
-# %%
+# %% tags=["hide-input"]
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
@@ -60,9 +78,9 @@ Markdown(inventory.markdown_table(
 # ## The layer pattern
 #
 # Three gated-DeltaNet (linear attention) layers, then one gated full-attention layer, repeated; every
-# layer is a sparse MoE; the MTP head is one more full-attention layer.
+# layer is a sparse MoE; the MTP head is one more full-attention layer ({numref}`fig-layer-pattern`).
 
-# %%
+# %% mystnb={"figure": {"caption": "The layer pattern of the model this chapter reads, from its config: gated DeltaNet and gated attention layers, and the MTP head after them.", "name": "fig-layer-pattern"}}
 fig = plots.layer_pattern(config)
 
 # %% [markdown]
@@ -105,3 +123,21 @@ saved = results.save("01_anatomy", path, {
     "trunk_gb": {row["trunk bits"]: row["trunk GB"] for row in variant_rows},
     "head_gb": {("bf16" if w is None else str(w)): gb for w, gb in head_sizes.items()},
 })
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Size a head quantized to 4 bits next to the bf16 head: call `sizes.sizes(config, bits=4, mtp_bits=4)` and
+#    `sizes.sizes(config, bits=4)` on the real model's config used above and compare their head entries.
+#
+#    *Where the answer shows:* the head sizes in *The real model, from its config alone*; {doc}`04_quantizing`
+#    measures what the 4-bit head costs in acceptance.
+#
+# 2. Convert the tiny model (`python -m qmtp convert qmtp/assets/tiny /tmp/tiny4 --bits 4`) and run this
+#    chapter with `QMTP_MODEL=/tmp/tiny4`.
+#
+#    *Where the answer shows:* the table in *What is stored, by part and by kind* gains the `.scales` and
+#    `.biases` of the quantized trunk, while the head's tensors stay bf16 ({doc}`03_converting` explains why).

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -18,8 +20,25 @@
 # weights are stored as `w` and applied as `1 + w`; the depthwise convolution of the linear-attention
 # layers is stored in PyTorch's layout `[C, 1, K]` while MLX's `conv1d` wants `[C, K, 1]`.
 # `qmtp.load(path, fixes=...)` applies either, both or neither; this chapter loads the model each way.
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - the two fixes a Qwen3-Next checkpoint needs on MLX: zero-centred norms applied as `1 + w`, and the
+#   depthwise conv kernel moved from `[C, 1, K]` to `[C, K, 1]`;
+# - what each mistake does to held-out accuracy and perplexity, and which mistakes fail loudly and which
+#   silently;
+# - why the `+1` must never be applied twice.
+#
+# **What runs here.** The bundled model is loaded several times, with each fix on or off, and generates a
+# short continuation each time; every number is measured in this run. The chapter's run time in this build is
+# in the {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
+# notebook, to run it yourself.
+# :::
 
-# %%
+# %% tags=["hide-input"]
 import textwrap
 import warnings
 
@@ -127,3 +146,21 @@ saved = results.save("02_fixes", path, {
     "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
     "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
 })
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Leave one norm kind unfixed: copy `mistakes.with_norm_shift` into a cell, make its test
+#    `n.endswith(".self_attn.q_norm.weight")` and its delta `-1.0` (undoing the fix on the query norms only), and
+#    pass the result to `mistakes.outcome` as the chapter does.
+#
+#    *Where the answer shows:* set your accuracy and perplexity beside the *both fixes* and *conv fix only*
+#    rows of the table in *Each fix alone, both, neither*.
+#
+# 2. Load without the norm fix (`qmtp.load(path, fixes=("conv",))`) and read the warning it gives.
+#
+#    *Where the answer shows:* the warning names the fix left out; its effect is the *conv fix only* row of
+#    the same table.

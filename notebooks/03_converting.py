@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -18,8 +20,24 @@
 # `model.safetensors` that holds trunk and MTP head, with the fixes applied once and recorded, the trunk
 # quantized and the head kept in bf16. It streams: one tensor group at a time is read, fixed,
 # quantized and written, into a temporary folder that is renamed into place only when it is complete.
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - how `qmtp.convert` streams a checkpoint into one `model.safetensors`: fixes applied once and recorded,
+#   trunk quantized, head kept bf16;
+# - what the metadata of the converted file records, and that nothing is lost on the way;
+# - that mlx-lm reads the same file and drops the head.
+#
+# **What runs here.** The bundled model is converted into a temporary folder and loaded back, by qmtp and by
+# mlx-lm; the benchmark of a multi-gigabyte conversion is described but not run. The chapter's run time in
+# this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the page
+# gives this notebook, to run it yourself.
+# :::
 
-# %%
+# %% tags=["hide-input"]
 import json
 import tempfile
 import textwrap
@@ -125,7 +143,8 @@ assert unquantized_equal and head_complete
 from mlx_lm.utils import load_model
 
 reference, _ = load_model(workdir / "q8")
-# MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must too
+# MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must
+# too
 reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p, reference.parameters()))
 names = [n for n, _ in tree_flatten(reference.parameters())]
 same = evaluate.logit_agreement(roundtrip, reference, texts)
@@ -149,3 +168,20 @@ print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 # writes a synthetic checkpoint of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert`
 # and a plain `cp` of the source in the same run, with each one's peak memory. It takes a few minutes and
 # several gigabytes of disk, so the book does not run it.
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Convert with the head quantized too: `qmtp.convert(path, dst, bits=4, mtp_bits=4)` into a new temporary
+#    folder, and list the head's tensors in the result.
+#
+#    *Where the answer shows:* the head's tensors gain `.scales` and `.biases` like the trunk's in *What moves
+#    where*; what that costs in acceptance is measured in {doc}`04_quantizing`, *Does the head need bf16?*.
+#
+# 2. Convert the already converted folder again.
+#
+#    *Where the answer shows:* `convert` refuses it and says why (its metadata records the fixes): the reason
+#    the *+1 applied twice* of {doc}`02_fixes` cannot happen here.

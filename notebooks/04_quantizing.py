@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -17,8 +19,24 @@
 # MLX's affine quantization cuts each row of a weight into groups of `group_size` values and stores, per
 # group, a scale `s` and a bias `b`, and per value a `bits`-bit code `q`: the value read back is
 # `s * q + b`. `qmtp.quant` recomputes all of it in numpy, so every step can be looked at.
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - MLX's affine format: per group a scale and a bias, per value a `bits`-bit code;
+# - how the codes are packed into 32-bit words, and that a numpy reference agrees with MLX bit for bit;
+# - what each trunk width costs in perplexity and size, and whether the MTP head needs bf16;
+# - how `python -m qmtp doctor` catches a backend whose quantized kernels are wrong.
+#
+# **What runs here.** One group is quantized by hand; the bundled model is quantized at every width, trunk and
+# head separately, and evaluated; the backend self-check runs, once healthy and once with a simulated fault.
+# The chapter's run time in this build is in the {doc}`execution table <../book/execution>`; the download
+# button at the top of the page gives this notebook, to run it yourself.
+# :::
 
-# %%
+# %% tags=["hide-input"]
 import tempfile
 import textwrap
 import warnings
@@ -95,7 +113,7 @@ Markdown(inventory.markdown_table(rows, list(rows[0]), {"relative RMS error": "{
 # ## Perplexity and size by trunk width
 #
 # Each width is a real conversion of this model (head kept in bf16), loaded back and measured on held-out
-# text.
+# text ({numref}`fig-trunk-widths`).
 
 # %%
 texts = evaluate.heldout_texts(2)
@@ -106,21 +124,25 @@ table = [{"trunk bits": "bf16 (source)", "trunk MB": sizes.sizes(model.config, b
           "perplexity": reference.perplexity, "acceptance": evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)["rate"]}]
 table += [{"trunk bits": b, "trunk MB": m["trunk_bytes"] / 1e6, "perplexity": m["perplexity"],
            "acceptance": m["acceptance_n_draft_2"]} for b, m in trunk.items()]
-fig = plots.width_curves(trunk, "trunk bits")
 Markdown(inventory.markdown_table(table, list(table[0]), {"trunk MB": "{:.2f}", "perplexity": "{:.2f}", "acceptance": "{:.3f}"}))
+
+# %% mystnb={"figure": {"caption": "Held-out perplexity and acceptance at n_draft 2 for each trunk width, each width a conversion of this model (head in bf16); the sizes are in the table above it.", "name": "fig-trunk-widths"}}
+fig = plots.width_curves(trunk, "trunk bits")
 
 # %% [markdown]
 # ## Does the head need bf16?
 #
 # The seed keeps the head in bf16. The trunk at 8 bits, the head at each width: the head's drafts are
-# only useful while they agree with the trunk, so what matters is acceptance.
+# only useful while they agree with the trunk, so what matters is acceptance ({numref}`fig-head-widths`).
 
 # %%
 head = quality.by_head_width(path, texts, prompts, widths=(None, 8, 6, 4, 3))
-fig = plots.width_curves(head, "head bits")
 Markdown(inventory.markdown_table(
     [{"head": w, "head MB": m["head_bytes"] / 1e6, "acceptance": m["acceptance_n_draft_2"]} for w, m in head.items()],
     ["head", "head MB", "acceptance"], {"head MB": "{:.2f}", "acceptance": "{:.3f}"}))
+
+# %% mystnb={"figure": {"caption": "Held-out perplexity and acceptance at n_draft 2 for each head width, the trunk at 8 bits: the head's drafts count only while the trunk accepts them.", "name": "fig-head-widths"}}
+fig = plots.width_curves(head, "head bits")
 
 # %%
 glue("head_bf16_acc", head["bf16"]["acceptance_n_draft_2"], display=False)
@@ -170,3 +192,21 @@ saved = results.save("04_quantizing", path, {
     "simulated_fault_flagged": [c.bits for c in faulty_backend if not c.ok],
     "mlx_version": mx.__version__,
 })
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Quantize the head to 4 bits and measure its acceptance: `qmtp.convert(path, dst, bits=8, mtp_bits=4)`,
+#    then `evaluate.acceptance(qmtp.load(dst), prompts, n_draft=2)` with the prompts this chapter uses.
+#
+#    *Where the answer shows:* compare with the 4-bit row of the head table in *Does the head need bf16?*;
+#    {doc}`05_mtp_decoding` shows what acceptance means per step.
+#
+# 2. In the cell of *One group, step by step*, change `group_size=64` and the `64` of `dequantize` to 32; for
+#    128, also take `weight[:1, :128]`.
+#
+#    *Where the answer shows:* the largest error of a value read back, in the sentence under that cell,
+#    shrinks with smaller groups; the file-size side of that trade is in *Perplexity and size by trunk width*.

@@ -2,9 +2,12 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: mystnb
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -22,8 +25,22 @@
 # measured again here: every value below was saved by its chapter when it ran on the same model
 # (`qmtp.results`), and the verdict is computed from it by the rule written next to the claim in
 # `qmtp.claims`.
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - which of the seed's claims about this model hold, which do not, and which cannot be tested here;
+# - where each claim comes from and which chapter's measurement judges it.
+#
+# **What runs here.** Nothing is measured again: the chapter reads what chapters 1 to 6 saved (`qmtp.results`)
+# for the same model and applies the rule written beside each claim in `qmtp.claims`. The chapter's run time
+# in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the
+# page gives this notebook, to run it yourself.
+# :::
 
-# %%
+# %% tags=["hide-input"]
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
@@ -63,3 +80,19 @@ glue("failed_claims", "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] 
 
 # %%
 Markdown(inventory.markdown_table(rows, ["claim", "source"]))
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Run chapters 1 to 7 with `QMTP_MODEL` pointing at a converted folder (exercise 2 of {doc}`01_anatomy`).
+#
+#    *Where the answer shows:* the verdict column of *The table* is recomputed for that model; claims about
+#    the real release stay *cannot be tested* on the tiny model.
+#
+# 2. Make a rule stricter: edit the threshold of one claim in `qmtp/claims.py` and rerun this chapter only.
+#
+#    *Where the answer shows:* the verdict of that claim in *The table* and the count of claims that hold in
+#    the sentence under it.
