@@ -36,10 +36,13 @@ class MTPHead(nn.Module):
     def has_routed_experts(self) -> bool:
         return self.layers[0].mlp.experts is not None
 
+    def combine(self, hidden: mx.array, next_embedding: mx.array) -> mx.array:
+        """The input of the head's layer: fc over [normed embed(x_{t+1}), normed h_t], both [B, T, H]."""
+        return self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embedding), self.pre_fc_norm_hidden(hidden)], axis=-1))
+
     def __call__(self, hidden: mx.array, next_embedding: mx.array, cache=None) -> mx.array:
         """hidden h_t and embed(x_{t+1}), both [B, T, H] -> the head's post-norm state [B, T, H]."""
-        z = self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embedding), self.pre_fc_norm_hidden(hidden)], axis=-1))
-        return self.norm(self.layers[0](z, cache))
+        return self.norm(self.layers[0](self.combine(hidden, next_embedding), cache))
 
 
 # ---- ablations (the book measures what each costs in acceptance) ------------------------------------------

@@ -19,13 +19,16 @@ from __future__ import annotations
 import math
 import operator
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from .errors import QmtpError, UsageError
-from .model import Model
+from . import decoding
+from .decoding import Greedy, Rejection
+from .model import COMPILE, Model
 
 MAX_N_DRAFT = 8
 
@@ -47,9 +50,7 @@ class Stats:
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
     prefill_seconds: float = 0.0
-    trunk_seconds: float = 0.0
-    head_seconds: float = 0.0
-    rollback_seconds: float = 0.0
+    decode_seconds: float = 0.0  # from the first token to the last (the passes overlap: not split by phase)
     experts_per_pass: list[list[int]] = field(default_factory=list)  # per verify pass, per layer: distinct experts
     steps: list[Step] = field(default_factory=list)
 
@@ -80,13 +81,9 @@ class Stats:
         return emitted / len(self.steps) if self.steps else float("nan")
 
     @property
-    def decode_seconds(self) -> float:
-        return self.trunk_seconds + self.head_seconds + self.rollback_seconds
-
-    @property
     def tokens_per_second(self) -> float:
-        """Generated tokens over decode time (prefill excluded)."""
-        return self.generated / self.decode_seconds if self.decode_seconds else float("nan")
+        """Generated tokens after the first over the time from the first to the last (prefill excluded)."""
+        return (self.generated - 1) / self.decode_seconds if self.decode_seconds else float("nan")
 
     def summary(self) -> dict:
         return {
@@ -97,9 +94,8 @@ class Stats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_trunk_pass": self.tokens_per_trunk_pass,
             "tokens_per_second": self.tokens_per_second,
-            "trunk_seconds": self.trunk_seconds,
-            "head_seconds": self.head_seconds,
-            "rollback_seconds": self.rollback_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
         }
 
 
@@ -113,26 +109,13 @@ class Generation:
     stats: Stats
 
 
-class _Sampler:
-    """Greedy at temperature 0, else sampling from softmax(logits / T) with a seeded generator."""
-
-    def __init__(self, temperature: float, seed: int):
-        self.temperature = temperature
-        self.rng = np.random.default_rng(seed)
-
-    def probs(self, logits: np.ndarray) -> np.ndarray:
-        z = logits.astype(np.float64) / self.temperature
-        z = np.exp(z - z.max(axis=-1, keepdims=True))
-        return z / z.sum(axis=-1, keepdims=True)
-
-    def choose(self, logits: np.ndarray) -> int:
-        if self.temperature == 0:
-            return int(np.argmax(logits))
-        return self.draw(self.probs(logits))
-
-    def draw(self, probs: np.ndarray) -> int:
-        """A token from `probs` (already softmaxed: the caller keeps them for the acceptance test)."""
-        return int(self.rng.choice(len(probs), p=probs))
+def _check_types(max_tokens, n_draft, temperature) -> None:
+    """Wrong types are usage errors too (MLX and range checks would raise a bare TypeError on them)."""
+    for name, value in (("max_tokens", max_tokens), ("n_draft", n_draft)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise UsageError(f"{name}={value!r:.40} must be an integer")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+        raise UsageError(f"temperature={temperature!r:.40} must be a number")
 
 
 def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: int, temperature: float, seed,
@@ -171,24 +154,54 @@ def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: 
         )
 
 
-def _start_routing_logs(model: Model) -> None:
-    for layer in model.layers:
-        layer.mlp.routing_log = []
+class ExpertRecorder:
+    """Keeps the experts every trunk layer chose in each verify pass, on the device, and counts the distinct
+    ones per pass and layer once the generation is over (so tracking adds no host sync to the passes)."""
+
+    def __init__(self):
+        self.passes: list[list] = []
+
+    def record(self, experts: list) -> None:
+        self.passes.append(experts)
+
+    def distinct(self) -> list[list[int]]:
+        return [[int(np.unique(np.array(e)).size) if e is not None else 0 for e in layers] for layers in self.passes]
 
 
-def _stop_routing_logs(model: Model) -> list[list[mx.array]]:
-    """Per trunk layer, the expert indices its calls chose since `_start_routing_logs` (still on the device)."""
-    logs = []
-    for layer in model.layers:
-        logs.append(layer.mlp.routing_log)
-        layer.mlp.routing_log = None
-    return logs
+class PhaseTimer:
+    """Wall time of the decoding loop's phases, for profiling: building and queueing a pass ("build"),
+    waiting for its tokens ("sync"), replaying kept tokens ("replay"). Pass one to `generate(timer=...)`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
-def _experts_touched(logs: list[list[mx.array]]) -> list[int]:
-    """Per layer, how many distinct experts its log names. Run once the generation is over, so that tracking
-    adds no work and no host sync to the passes it watches."""
-    return [int(np.unique(np.concatenate([np.array(i).ravel() for i in log])).size) if log else 0 for log in logs]
+@contextmanager
+def _untimed(phase: str):
+    yield
+
+
+def _prompt_tokens(model: Model, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise UsageError("this model has no tokenizer: pass the prompt as a list of token ids")
+        if not prompt:
+            raise UsageError("the prompt is empty: give at least one token of text")
+        return model.tokenizer.encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: they would pass as token ids
+        raise UsageError("prompt: give text (str) or a list of token ids, not bytes (decode them first)")
+    try:
+        return [operator.index(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
 
 
 def generate(
@@ -203,6 +216,7 @@ def generate(
     rollback: str = "record",
     track_experts: bool = True,
     stop_at_eos: bool = True,
+    timer: PhaseTimer | None = None,
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids).
 
@@ -214,203 +228,145 @@ def generate(
         hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
             the state before it.
         rollback: "record" keeps each position's linear-attention state during verification; "replay"
-            restores a snapshot and runs the accepted tokens again.
+            runs the accepted tokens again from the state before the pass.
+        timer: a `PhaseTimer` to add the decoding loop's phases to (profiling).
     """
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise UsageError("this model has no tokenizer: pass the prompt as a list of token ids")
-        if not prompt:
-            raise UsageError("the prompt is empty: give at least one token of text")
-        prompt_tokens = model.tokenizer.encode(prompt)
-    else:
-        try:
-            prompt_tokens = [operator.index(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
+    prompt_tokens = _prompt_tokens(model, prompt)
+    _check_types(max_tokens, n_draft, temperature)
     if hidden not in ("post", "pre"):
         raise UsageError(f"hidden={hidden!r}: use 'post' (after the final norm) or 'pre'")
     if rollback not in ("record", "replay"):
         raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
     drafter = head if head is not None else model.mtp
     _validate(model, prompt_tokens, max_tokens, n_draft, temperature, seed, drafter if n_draft > 1 else None)
-    k = n_draft - 1
     eos = model.tokenizer.eos_id if (stop_at_eos and model.tokenizer is not None) else None
-    sampler = _Sampler(temperature, seed)
+    k = n_draft - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
-    cache = model.make_cache()
-    head_cache = cache.head if drafter is model.mtp else None
-    if k and head_cache is None:
-        from .cache import KVCache
+    recorder = ExpertRecorder() if track_experts else None
+    strategy = Greedy() if temperature == 0 else Rejection(temperature)
 
-        head_cache = KVCache()
-
-    def trunk_pass(tokens, last_only: bool = False):
-        pre, post = model.trunk(tokens if isinstance(tokens, mx.array) else mx.array([tokens]), cache)
-        # The prefill needs the next token's scores only: lm_head over every prompt position would cost
-        # prompt length x vocabulary x hidden for one row that is used. Verify passes need every row.
-        logits = model.logits(post[:, -1:] if last_only else post)
-        return (post if hidden == "post" else pre), logits
-
-    greedy = temperature == 0
-    expert_logs: list = []  # per verify pass, per layer: the experts chosen (read when the generation ends)
-
-    # ---- prefill ---------------------------------------------------------------------------------------------
+    out: list[int] = []
     started = time.perf_counter()
-    h, logits = trunk_pass(prompt_tokens, last_only=True)
-    last = logits[0, -1].astype(mx.float32)
-    # Damaged weights (NaN/Inf) give NaN logits, whose argmax is an arbitrary token: stop here instead.
-    finite = mx.isfinite(last).all()
-    if greedy:
-        first = mx.argmax(last)
-        mx.eval(first, h, finite)
-        pending = int(first.item())
-    else:
-        last = np.array(last)
-        mx.eval(h, finite)
-        pending = None
-    if not finite.item():
-        where = f" {model.path}" if model.path else ""
-        raise QmtpError(f"model{where} computes NaN or Inf logits for the prompt: its weights are damaged "
-                        f"(find the tensor with `python -m qmtp doctor MODEL --scan`)")
-    if pending is None:
-        pending = sampler.choose(last)
+    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
+                         timer or _untimed)
+    out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
-    out = [pending]
-
-    if k == 0 and greedy:
-        # ---- plain greedy decoding, pipelined ----------------------------------------------------------------
-        # The next pass is queued (mx.async_eval) before the current token is read, so the machine computes
-        # while Python builds the next graph: one host sync per token, and no idle gap between passes.
-        t0 = time.perf_counter()
-        token = mx.array([[pending]])
-        queued = None
-        while len(out) < max_tokens and not (eos is not None and out[-1] == eos):
-            if queued is None:
-                queued = _queue_plain_pass(model, token, trunk_pass, track_experts)
-            token, logs = queued
-            queued = None
-            if len(out) + 1 < max_tokens:
-                queued = _queue_plain_pass(model, token, trunk_pass, track_experts)
-            next_token = int(token.item())
-            if logs is not None:
-                expert_logs.append(logs)
-            stats.steps.append(Step([], 0, [next_token]))
-            out.append(next_token)
-        stats.trunk_seconds = time.perf_counter() - t0
-        return _finish(model, out, prompt_tokens, max_tokens, eos, stats, expert_logs)
-
-    # Head inputs not yet fed to the head: (trunk state at position j, token at j + 1) from position `head_from`.
-    head_from, head_h, head_next = 0, h, prompt_tokens[1:] + [pending]
-
-    while len(out) < max_tokens and not (eos is not None and out[-1] == eos):
-        # ---- draft ---------------------------------------------------------------------------------------------
-        drafts, draft_probs = [], []
-        if k:
-            t0 = time.perf_counter()
-            z = drafter(head_h, model.embed_tokens(mx.array([head_next])), head_cache)[:, -1:]
-            chosen = []  # greedy: the drafts stay on the device until all k are made (one sync)
-            for i in range(k):
-                draft_logits = model.logits(z)[0, -1].astype(mx.float32)
-                if greedy:
-                    d = mx.argmax(draft_logits)
-                    chosen.append(d)
-                    d = d.reshape(1, 1)
-                else:
-                    q = sampler.probs(np.array(draft_logits))
-                    d = sampler.draw(q)
-                    drafts.append(d)
-                    draft_probs.append(q)
-                    d = mx.array([[d]])
-                if i + 1 < k:
-                    z = drafter(z, model.embed_tokens(d), head_cache)
-            if greedy:
-                drafts = mx.stack(chosen).tolist()
-            stats.head_seconds += time.perf_counter() - t0
-
-        # ---- verify --------------------------------------------------------------------------------------------
-        t0 = time.perf_counter()
-        snapshot = cache.snapshot() if rollback == "replay" else None
-        cache.set_record(rollback == "record" and k > 0)
-        if track_experts:
-            _start_routing_logs(model)
-        verify_tokens = [pending] + drafts
-        h_verify, logits = trunk_pass(verify_tokens)
-        if track_experts:
-            expert_logs.append(_stop_routing_logs(model))
-        if greedy:
-            trunk_choices = mx.argmax(logits[0].astype(mx.float32), axis=-1).tolist()
-        else:
-            verify_logits = np.array(logits[0].astype(mx.float32))
-        stats.trunk_seconds += time.perf_counter() - t0
-
-        # ---- accept --------------------------------------------------------------------------------------------
-        accepted, next_token = 0, None
-        for i, d in enumerate(drafts):
+    started = time.perf_counter()
+    for step, experts in steps:
+        for i in range(min(step.accepted + 1, k)):
             stats.drafted[i] += 1
-            if greedy:
-                ok = d == trunk_choices[i]
-            else:
-                p = sampler.probs(verify_logits[i])
-                q = draft_probs[i]
-                ok = sampler.rng.random() < min(1.0, p[d] / q[d])
-                if not ok:
-                    residual = np.maximum(p - q, 0.0)
-                    total = residual.sum()
-                    next_token = sampler.draw(residual / total) if total > 0 else sampler.draw(p)
-            if not ok:
-                if greedy:
-                    next_token = trunk_choices[i]
-                break
+        for i in range(step.accepted):
             stats.accepted[i] += 1
-            accepted += 1
-        if next_token is None:
-            next_token = trunk_choices[accepted] if greedy else sampler.choose(verify_logits[accepted])
+        stats.steps.append(step)
+        if recorder is not None:
+            recorder.record(experts)
+        out.extend(step.emitted)
+    stats.decode_seconds = time.perf_counter() - started
 
-        # ---- roll back -----------------------------------------------------------------------------------------
-        t0 = time.perf_counter()
-        keep = accepted + 1  # the pending token and the accepted drafts
-        if keep < len(verify_tokens):
-            if rollback == "record":
-                cache.rewind(keep, len(verify_tokens))
-            else:
-                cache.restore(snapshot)
-                h_verify, _ = trunk_pass(verify_tokens[:keep])
-        cache.set_record(False)
-        if k:
-            # Head entries from position t + 1 on were built from the head's own guesses: drop them. The
-            # accepted positions are fed again next step, with the trunk's true states.
-            head_cache.trim_to(head_from + head_h.shape[1])
-        stats.rollback_seconds += time.perf_counter() - t0
-
-        emitted = verify_tokens[1:keep] + [next_token]
-        stats.steps.append(Step(drafts, accepted, emitted))
-        out.extend(emitted)
-        head_from += head_h.shape[1]
-        head_h = h_verify[:, :keep]
-        head_next = verify_tokens[1:keep] + [next_token]
-        pending = next_token
-
-    return _finish(model, out, prompt_tokens, max_tokens, eos, stats, expert_logs)
-
-
-def _queue_plain_pass(model: Model, token: mx.array, trunk_pass, track_experts: bool):
-    """Build one plain decoding pass after `token` [1, 1] and start computing it: (next token [1, 1], the
-    experts each layer chose or None), still on the device."""
-    if track_experts:
-        _start_routing_logs(model)
-    _, logits = trunk_pass(token)
-    logs = _stop_routing_logs(model) if track_experts else None
-    next_token = mx.argmax(logits[:, -1].astype(mx.float32), axis=-1, keepdims=True)
-    mx.async_eval(next_token)
-    return next_token, logs
-
-
-def _finish(model: Model, out: list[int], prompt_tokens: list[int], max_tokens: int, eos, stats: Stats,
-            expert_logs: list) -> Generation:
-    stats.experts_per_pass = [_experts_touched(logs) for logs in expert_logs]
+    if recorder is not None:
+        stats.experts_per_pass = recorder.distinct()
     out = out[:max_tokens]
     if eos is not None and eos in out:
         out = out[: out.index(eos) + 1]
     stats.generated = len(out)
     text = model.tokenizer.decode([t for t in out if t != eos]) if model.tokenizer is not None else ""
     return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats)
+
+
+def decode_steps(model: Model, prompt_tokens: list[int], n_draft: int, strategy, head, hidden: str, rollback: str,
+                 max_tokens: int, eos, seed: int, timer=_untimed):
+    """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
+    for each pass, until `max_tokens` tokens or `eos` are out.
+
+    The next pass is queued (`mx.async_eval`) before the host reads the current one, whenever the current
+    one cannot end the generation, so the machine computes while the host keeps the books: one host sync
+    per pass. With rollback="replay" the host must know what was kept before it can build the next pass."""
+    k = n_draft - 1
+    record = rollback == "record" and k > 0
+    capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * n_draft)
+    key = mx.random.key(seed)
+    state, last, first = _prefill(model, head if k else None, prompt_tokens, capacity, n_draft, strategy, hidden, key)
+    yield Step([], 0, [first])
+    produced = 1
+    if produced >= max_tokens or first == eos:
+        return
+    run = _compiled_step(model, head, k, strategy, hidden, record)
+    key = mx.random.split(key)[1]
+
+    def queue(state, last, key):
+        with timer("build"):
+            step = run(state, last, key)
+            mx.async_eval(step[2])
+        return step
+
+    queued = queue(state, last, key)
+    while True:
+        before = state
+        state, last, report, experts, key = queued
+        queued = None
+        if (record or k == 0) and produced + n_draft < max_tokens:
+            queued = queue(state, last, key)  # this pass cannot end the generation: queue the next one now
+        with timer("sync"):
+            report = report.tolist()
+        tokens, next_token, keep = report[:n_draft], report[n_draft], report[n_draft + 1]
+        if not record and keep < n_draft and k:
+            with timer("replay"):
+                state, last = _replay(model, before, state, last, tokens[:keep], n_draft, hidden)
+        emitted = tokens[1:keep] + [next_token]
+        yield Step(tokens[1:], keep - 1, emitted), experts
+        produced += len(emitted)
+        if produced >= max_tokens or (eos is not None and eos in emitted):
+            return
+        if queued is None:
+            queued = queue(state, last, key)
+
+
+def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draft: int, strategy, hidden: str, key):
+    """The prompt through the trunk (and, when drafting, the head over its positions but the last): the
+    state, what the first step needs, and the first token."""
+    state = decoding.empty_state(model, capacity, head=head is not None)
+    tokens = mx.array([prompt_tokens], mx.int32)
+    pre, post, _, state["layers"] = decoding.trunk_step(model, tokens, state, record=False)
+    state["offset"] = mx.array(len(prompt_tokens), mx.int32)
+    # lm_head on the last position only: the prompt's other scores are never used
+    logits = model.logits(post[:, -1:])[0].astype(mx.float32)
+    first, _ = strategy.pick(logits, key)
+    finite = mx.isfinite(logits).all()
+    mx.eval(first, finite, state)
+    if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
+        where = f" {model.path}" if model.path else ""
+        raise QmtpError(f"model{where} computes NaN or Inf logits for the prompt: its weights are damaged "
+                        f"(find the tensor with `python -m qmtp doctor MODEL --scan`)")
+    h = post if hidden == "post" else pre
+    if head is not None and len(prompt_tokens) > 1:
+        _, state["head"] = decoding.head_step(model, head, h[:, :-1], tokens[:, 1:], state["head"], mx.array(0))
+    if head is not None:
+        state["head_offset"] = mx.array(len(prompt_tokens) - 1, mx.int32)
+    # The first step's head reads one valid position, the prompt's last (padded to the pass's width)
+    pad = n_draft - 1
+    last = (mx.pad(h[:, -1:], [(0, 0), (0, pad), (0, 0)]), mx.pad(first.reshape(1, 1), [(0, 0), (0, pad)]),
+            mx.array(1, mx.int32))
+    return state, last, int(first.item())
+
+
+def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_draft: int, hidden: str):
+    pre, post, _, layers = decoding.trunk_step(model, mx.array([kept], mx.int32), before, record=False)
+    h = post if hidden == "post" else pre
+    h = mx.pad(h, [(0, 0), (0, n_draft - len(kept)), (0, 0)])
+    return {**state, "layers": layers}, (h, last[1], last[2])
+
+
+def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool):
+    """`decoding.step` for this model, drafter and settings, compiled once and kept with the model (the
+    weights are implicit inputs, read at every call)."""
+    steps = model.__dict__.setdefault("_decode_steps", {})
+    key = (id(head) if k else None, k, strategy.key, hidden, record)
+    if key not in steps:
+        def run(state, last, rng):
+            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng)
+
+        if COMPILE:
+            implicit = [model.state] + ([head.state] if k and head is not model.mtp else [])
+            run = mx.compile(run, inputs=implicit)
+        steps[key] = run
+    return steps[key]

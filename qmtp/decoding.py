@@ -1,0 +1,240 @@
+"""Decoding on the device: the whole state as arrays, and one decode or speculative step as a pure function.
+
+Speculative decoding keeps a variable number of tokens per step, which an engine usually learns on the host
+before it can build the next step: one host sync per step, and the machine idle while Python builds the next
+graph. Here nothing the next step needs lives on the host:
+
+- the KV caches are buffers of a fixed capacity (the prompt, the new tokens and the drafts verified past
+  them, known before decoding starts), written at a position held in an array, and read through a mask of
+  the valid positions, so their shapes never depend on how many drafts were accepted;
+- the linear-attention state of every position of a verify pass is kept, and the accepted one chosen by an
+  index held in an array (the roll back);
+- greedy acceptance is computed on the device: the longest prefix of drafts equal to the trunk's choices.
+
+So a step is a function of arrays to arrays, of fixed shapes for a given draft length: `mx.compile` traces
+it once and replays it with the elementwise work of all layers fused, and the host can queue step s + 1
+(`mx.async_eval`) before it reads the tokens of step s. Reading them is the step's only host sync.
+
+A step, with the trunk's cache holding positions 0..t-1 and `last` the previous verify pass (its trunk
+states, the trunk's choice after each of its positions, and how many of them were kept):
+
+1. draft: the head reads the kept positions of the last pass (trunk state h_j with the trunk's choice after
+   it), its state at the last kept one drafts d_1, and fed its own output and d_1 it drafts d_2, ...
+2. verify: one trunk pass over [pending, d_1, ..., d_k], `pending` being the trunk's last choice;
+3. accept: the trunk's choice after each position; the longest prefix of drafts equal to those choices is
+   kept, and the trunk's choice after the last kept token is the next pending token;
+4. roll back: the offset advances by the kept tokens only; each linear-attention layer takes its state at
+   the last kept position. Entries past the offset are stale, masked, and overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .config import LINEAR
+
+MIN_CAPACITY = 64
+
+
+def capacity_for(positions: int) -> int:
+    """KV buffer length for `positions`: a power of two (at least MIN_CAPACITY), so that generations of
+    similar length share one compiled trace while attention reads at most twice the positions it needs."""
+    return max(MIN_CAPACITY, 1 << (positions - 1).bit_length())
+
+
+# ---- the state ----------------------------------------------------------------------------------------------
+def empty_state(model, capacity: int, head: bool) -> dict:
+    """Zero state for a batch of one: per layer (conv inputs, recurrent S) or (keys, values) buffers of
+    `capacity` positions; `offset` the positions held. With `head`, the MTP head's KV buffers too."""
+    dtype = model.dtype
+    state = {"layers": [], "offset": mx.array(0, mx.int32)}
+    for layer in model.layers:
+        if layer.kind == LINEAR:
+            mixer = layer.linear_attn
+            state["layers"].append((mx.zeros((1, mixer.kernel - 1, mixer.conv_dim), dtype),
+                                    mx.zeros((1, mixer.n_v_heads, mixer.k_dim, mixer.v_dim), mx.float32)))
+        else:
+            state["layers"].append(_kv_buffers(layer.self_attn, capacity, dtype))
+    if head:
+        state["head"] = _kv_buffers(model.mtp.layers[0].self_attn, capacity, dtype)
+        state["head_offset"] = mx.array(0, mx.int32)
+    return state
+
+
+def _kv_buffers(attention, capacity: int, dtype):
+    shape = (1, attention.n_kv_heads, capacity, attention.head_dim)
+    return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+
+
+# ---- one layer over the state -------------------------------------------------------------------------------
+def _attend(attention, x: mx.array, buffers, offset: mx.array):
+    """Gated attention of x [1, T, H] at positions offset.. over KV buffers: (output, new buffers)."""
+    keys, values = buffers
+    T, capacity = x.shape[1], keys.shape[2]
+    q, k, v, gate = attention.project(x, offset)
+    start = offset.reshape(1)
+    keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
+    values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
+    visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]  # causal, and only valid entries
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attention.scale, mask=visible)
+    return attention.output(out, gate), (keys, values)
+
+
+def layer_step(layer, x: mx.array, layer_state, offset: mx.array, record: bool):
+    """One decoder layer over x [1, T, H]: (output, chosen experts [T, k] or None, new state). With `record`
+    a linear-attention layer returns its state after every position, stacked: (conv [T, 1, K-1, C], S [T, ...])."""
+    normed = layer.input_layernorm(x)
+    if layer.kind == LINEAR:
+        past, recurrent = layer_state
+        mixed, conv, recurrent, history = layer.linear_attn.step(normed, past, recurrent, record)
+        new_state = (mx.stack([c for c, _ in history]), mx.stack([s for _, s in history])) if record else (conv, recurrent)
+    else:
+        mixed, new_state = _attend(layer.self_attn, normed, layer_state, offset)
+    y, indices = layer._finish(x, mixed)
+    return y, indices, new_state
+
+
+def trunk_step(model, tokens: mx.array, state: dict, record: bool):
+    """The trunk over tokens [1, T] from `state`: (its output before and after the final norm [1, T, H], the
+    experts each layer chose, the layers' new states, recorded per position for linear attention when
+    `record`). The offset is not moved."""
+    x = model.embed_tokens(tokens)
+    experts, layers = [], []
+    for layer, layer_state in zip(model.layers, state["layers"]):
+        x, indices, new_state = layer_step(layer, x, layer_state, state["offset"], record)
+        experts.append(indices)
+        layers.append(new_state)
+    return x, model.norm(x), experts, layers
+
+
+def keep_prefix(model, recorded_layers: list, keep: mx.array) -> list:
+    """Roll back: each linear-attention layer's state after the `keep`-th position of the recorded pass (KV
+    buffers need nothing: the offset says which entries are valid)."""
+    index = (keep - 1).reshape(1)
+    out = []
+    for layer, layer_state in zip(model.layers, recorded_layers):
+        if layer.kind == LINEAR:
+            out.append(tuple(mx.take(s, index, axis=0)[0] for s in layer_state))
+        else:
+            out.append(layer_state)
+    return out
+
+
+def head_step(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.array):
+    """The head over (trunk or head states [1, T, H], the tokens after them [1, T]) at head positions at..:
+    (its post-norm states [1, T, H], its new KV buffers)."""
+    z = head.combine(hidden, model.embed_tokens(tokens))
+    z, _, buffers = layer_step(head.layers[0], z, buffers, at, record=False)
+    return head.norm(z), buffers
+
+
+# ---- acceptance: greedy, or rejection sampling ------------------------------------------------------------
+class Greedy:
+    """Drafts and the trunk's tokens are argmaxes; a draft is kept while it equals the trunk's choice."""
+
+    key = ("greedy",)
+    random = False
+
+    def pick(self, logits: mx.array, key: mx.array):
+        """A token [1] from logits [1, V], and what the acceptance needs of its law (nothing here)."""
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+
+    def accept(self, drafts: mx.array, draft_laws: list, logits: mx.array, key: mx.array):
+        """Drafts [k], verify logits [k + 1, V] -> (accepted drafts, the trunk's next token [1])."""
+        choices = mx.argmax(logits, axis=-1).astype(mx.int32)
+        accepted = mx.cumprod((drafts == choices[:-1]).astype(mx.int32)).sum() if drafts.size else mx.array(0)
+        return accepted, mx.take(choices, accepted.reshape(1))
+
+
+class Rejection:
+    """Sampling at `temperature`: draft d ~ q, kept with probability min(1, p(d) / q(d)); at the first
+    rejection the next token is drawn from max(0, p - q) renormalised, after all k from p (Leviathan et al.
+    2023). The tokens have exactly the law of sampling the trunk alone."""
+
+    def __init__(self, temperature: float):
+        # Below float32's smallest normal a temperature divides to inf (and the max logit to NaN); at that
+        # scale the law is already the argmax.
+        self.temperature = max(float(temperature), 1.2e-38)
+        self.key = ("sample", self.temperature)
+        self.random = True
+
+    def _law(self, logits):
+        return mx.softmax((logits - logits.max(axis=-1, keepdims=True)) / self.temperature, axis=-1)
+
+    def pick(self, logits: mx.array, key: mx.array):
+        q = self._law(logits)
+        return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q[0]
+
+    def accept(self, drafts: mx.array, draft_laws: list, logits: mx.array, key: mx.array):
+        p = self._law(logits)  # [k + 1, V]
+        k = drafts.size
+        test_key, draw_key = mx.random.split(key)
+        accepted, residual = mx.array(0), p
+        if k:
+            q = mx.stack(draft_laws)
+            ratio = (mx.take_along_axis(p[:k], drafts[:, None], axis=-1)
+                     / mx.take_along_axis(q, drafts[:, None], axis=-1))[:, 0]
+            kept = mx.random.uniform(shape=(k,), key=test_key) < ratio
+            accepted = mx.cumprod(kept.astype(mx.int32)).sum()
+            residual = mx.concatenate([mx.maximum(p[:k] - q, 0.0), p[k:]])
+        row = mx.take(residual, accepted.reshape(1), axis=0)
+        row = mx.where(row.sum() > 0, row, mx.take(p, accepted.reshape(1), axis=0))
+        return accepted, mx.random.categorical(mx.log(row), key=draw_key).astype(mx.int32)
+
+
+# ---- one step: draft, verify, accept, roll back -----------------------------------------------------------
+def draft(model, head, k: int, strategy, state: dict, last, key):
+    """k drafts [1, k] from the head, their laws, and the head's new buffers and offset.
+
+    The head first reads the positions of the last pass (trunk state h_j with the token after it) of which
+    the first `keep` are valid: their entries stay in its cache. Its output at the last valid one drafts d_1;
+    each further draft feeds the head its own output and the draft before."""
+    hidden, next_tokens, keep = last
+    z, buffers = head_step(model, head, hidden, next_tokens, state["head"], state["head_offset"])
+    z = mx.take(z, (keep - 1).reshape(1), axis=1)
+    offset = state["head_offset"] + keep
+    drafts, laws = [], []
+    for i, draft_key in enumerate(mx.random.split(key, k) if strategy.random else [key] * k):
+        d, law = strategy.pick(model.logits(z)[:, -1].astype(mx.float32), draft_key)
+        drafts.append(d)
+        laws.append(law)
+        if i + 1 < k:  # entries past `offset` are the head's own guesses: the next step overwrites them
+            z, buffers = head_step(model, head, z, d.reshape(1, 1), buffers, offset + i)
+    return mx.concatenate(drafts).reshape(1, k), laws, buffers, offset
+
+
+def verify(model, tokens: mx.array, state: dict, record: bool):
+    """One trunk pass over [pending, d_1..d_k]: (pre-norm and post-norm states, logits [k + 1, V], experts,
+    the layers' states)."""
+    pre, post, experts, layers = trunk_step(model, tokens, state, record)
+    return pre, post, model.logits(post)[0].astype(mx.float32), experts, layers
+
+
+def roll_back(model, layers: list, keep: mx.array, record: bool) -> list:
+    return keep_prefix(model, layers, keep) if record else layers
+
+
+def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last, key):
+    """One trunk pass and the drafts it checks: (new state, what the next step needs, the report
+    [pending, d_1..d_k, next, keep] as int32, experts per layer, new key)."""
+    key, draft_key, accept_key = mx.random.split(key, 3) if strategy.random else (key, key, key)
+    _, next_tokens, keep = last
+    pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
+    new_state = {}
+    if k:
+        drafts, laws, new_state["head"], new_state["head_offset"] = draft(model, head, k, strategy, state, last,
+                                                                          draft_key)
+        tokens = mx.concatenate([pending, drafts], axis=1)
+    else:
+        laws, tokens = [], pending
+    pre, post, logits, experts, layers = verify(model, tokens, state, record)
+    accepted, next_token = strategy.accept(tokens[0, 1:], laws, logits, accept_key)
+    keep = accepted + 1
+    new_state["layers"] = roll_back(model, layers, keep, record)
+    new_state["offset"] = state["offset"] + keep
+    # The head's input for the kept positions: the token after each (an accepted draft, then `next`).
+    n = k + 1
+    after = mx.concatenate([tokens[:, 1:], next_token.reshape(1, 1)], axis=1)
+    after = mx.where(mx.arange(n)[None] == keep - 1, next_token.reshape(1, 1), after)
+    report = mx.concatenate([tokens[0], next_token, keep.reshape(1).astype(mx.int32)])
+    return new_state, ((post if hidden == "post" else pre), after, keep), report, experts, key
