@@ -5,6 +5,10 @@ The book's chapters import this package; the names below are its stable public A
 
 __version__ = "0.1.0"
 
+from . import blas
+
+blas.use_optimised()  # before anything imports mlx.core: see qmtp.blas
+
 from .checkpoint import Checkpoint
 from .config import QWEN36_35B_A3B, ModelConfig
 from .errors import CheckpointError, ConfigError, IncompleteHeadError, QmtpError, TensorShapeError, UsageError
