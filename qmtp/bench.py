@@ -134,64 +134,122 @@ def scaled_checkpoint(directory, bits: int = SCALED_BITS, progress: bool = False
 
 
 # ---- speculative decoding: n_draft 1 to 5 -------------------------------------------------------------------
-def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3) -> dict:
+def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30) -> dict:
+    """Seconds of one verify pass over `n_draft` tokens and of one head draft step, each compiled and timed
+    alone (median of `repeats`) from the state after `prompt`: inside a generation the passes overlap with
+    the host's work and cannot be told apart. A head draft step is the drafting of one step (the head over
+    the last pass's positions, then each draft) divided by its drafts."""
+    from . import decoding
+    from .speculative import _prefill
+
+    k = n_draft - 1
+    greedy = decoding.Greedy()
+    capacity = decoding.capacity_for(len(prompt) + 2 * n_draft)
+    state, last, _ = _prefill(model, model.mtp if k else None, prompt, capacity, n_draft, greedy, "post",
+                              mx.random.key(0))
+    tokens = mx.array([[last[1][0, 0].item()] * n_draft], mx.int32)
+    verify = mx.compile(lambda s, t: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
+    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats)}
+    if k:
+        draft = mx.compile(lambda s, l: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
+                           inputs=[model.state])
+        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats) / k
+    return out
+
+
+def _median_seconds(run, repeats: int) -> float:
+    for _ in range(3):
+        mx.eval(run())
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3,
+        peer=None) -> dict:
     """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft.
 
-    Besides speed and acceptance, each record holds what the cost model needs: the distinct experts each
-    verify pass read per layer (measured, and the independent-routing formula), the seconds per trunk pass
-    and per head draft step, and the bytes the cost model says each reads. The report's "cost_model" fits
-    `throughput.Machine` (overhead + bandwidth) to the verify passes and predicts every speedup from it.
+    Speed is tokens after the first over the time from the first token to the last, per round over all
+    prompts; the record keeps the median and the spread of the rounds. Besides acceptance, each record holds
+    the phases of the decoding loop (`speculative.PhaseTimer`), the distinct experts each verify pass read
+    per layer (measured, and the independent-routing formula), the seconds of a verify pass and of a head
+    draft step (`pass_costs`), and the ideal speedup: tokens per pass / (1 + head share), what drafting
+    would give if a verify pass cost what a plain pass costs. "cost_model" fits `throughput.Machine` to the
+    verify passes. `peer`: a `qmtp.peer.MlxVlmEngine`, run on the same prompts in the same rounds.
     """
-    from .speculative import generate
+    from .speculative import PhaseTimer, generate
 
-    for n in n_drafts:  # warm-up: the first passes of each shape trace and compile the layers
-        generate(model, prompts[0], max_tokens=min(max_tokens, 8), n_draft=n, stop_at_eos=False)
-    runs: dict[int, list] = {n: [] for n in n_drafts}
-    for _ in range(repeats):
-        for n in n_drafts:
-            stats = [generate(model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False).stats for p in prompts]
-            runs[n].append(stats)
+    engines = {("qmtp", n): (lambda p, n=n, t=None: generate(model, p, max_tokens=max_tokens, n_draft=n,
+                                                              stop_at_eos=False, timer=t))
+               for n in n_drafts}
+    if peer is not None:
+        engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
+    for run in engines.values():  # warm-up: the first passes of each shape trace and compile
+        run(prompts[0])
+    speeds = {name: [] for name in engines}
+    outputs, timers = {}, {n: PhaseTimer() for n in n_drafts}
+    for r in range(repeats):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            seconds = tokens = 0.0
+            results = []
+            for p in prompts:
+                if name[0] == "qmtp":
+                    stats = engines[name](p, t=timers[name[1]])
+                    seconds += stats.stats.decode_seconds
+                    tokens += stats.stats.generated - 1
+                else:
+                    stats = engines[name](p)
+                    seconds += stats["seconds"]
+                    tokens += len(stats["tokens"]) - 1
+                results.append(stats)
+            speeds[name].append(tokens / seconds)
+            outputs.setdefault(name, results)  # greedy: every round makes the same tokens
     config = model.config
     E, k = config.num_experts, config.num_experts_per_tok
     in_memory = throughput.sizes_of(model)
     cache_bytes = 4 if model.dtype == mx.float32 else 2
     context = statistics.mean(len(p) for p in prompts) + max_tokens / 2
+    costs = {n: pass_costs(model, prompts[0], n) for n in n_drafts}
+    plain_pass = costs[min(n_drafts)]["verify"]
+    plain_tokens = [g.tokens for g in outputs[("qmtp", min(n_drafts))]]
     results = []
     for n in n_drafts:
-        speeds = [sum(s.generated for s in r) / sum(s.decode_seconds for s in r) for r in runs[n]]
-        first = runs[n][0]  # greedy: every repeat makes the same tokens and the same decisions
+        first = [g.stats for g in outputs[("qmtp", n)]]
         drafted = np.sum([s.drafted for s in first], axis=0) if n > 1 else np.zeros(0)
         accepted = np.sum([s.accepted for s in first], axis=0) if n > 1 else np.zeros(0)
         passes = [(t, e) for s in first for t, e in zip(s.tokens_per_pass, s.experts_per_pass)]
         experts = np.array([e for _, e in passes], dtype=float)  # [passes, layers]
         tokens_in_pass = [t for t, _ in passes]
-        trunk = sum(sum(s.trunk_seconds for s in r) for r in runs[n])
-        head = sum(sum(s.head_seconds for s in r) for r in runs[n])
-        rollback = sum(sum(s.rollback_seconds for s in r) for r in runs[n])
-        n_passes = [sum(s.trunk_passes for s in r) for r in runs[n]]
         emitted = sum(len(step.emitted) for s in first for step in s.steps)
         measured_union = experts.mean(axis=0).tolist()
         independent = float(np.mean([expected_union(E, k, t) for t in tokens_in_pass]))
+        tokens_per_pass = emitted / len(passes)
+        head = costs[n].get("head_per_draft", 0.0)
+        phases = timers[n].seconds
+        decode = sum(s.decode_seconds for s in first) * repeats
         results.append({
             "n_draft": n,
-            "tokens_per_second": statistics.median(speeds),
-            "tokens_per_second_min": min(speeds),
-            "tokens_per_second_max": max(speeds),
+            "tokens_per_second": statistics.median(speeds[("qmtp", n)]),
+            "tokens_per_second_min": min(speeds[("qmtp", n)]),
+            "tokens_per_second_max": max(speeds[("qmtp", n)]),
             "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, drafted)],
-            "tokens_per_trunk_pass": emitted / len(passes),
-            "trunk_share": trunk / (trunk + head + rollback),
-            "head_share": head / (trunk + head + rollback),
-            "rollback_share": rollback / (trunk + head + rollback),
+            "tokens_per_trunk_pass": tokens_per_pass,
+            "same_tokens_as_plain": [g.tokens for g in outputs[("qmtp", n)]] == plain_tokens,
+            "head_share": (n - 1) * head / ((n - 1) * head + costs[n]["verify"]),
+            "ideal_speedup": tokens_per_pass / (1 + (n - 1) * head / plain_pass),
+            "phase_seconds_per_pass": {name: t / (repeats * len(passes)) for name, t in phases.items()},
+            "decode_seconds_per_pass": decode / (repeats * len(passes)),
             "tokens_in_verify_pass": statistics.mean(tokens_in_pass),
             "experts_per_layer_measured": measured_union,
             "experts_per_layer_independent": independent,
             "experts_per_pass_measured": float(experts.mean()),
             "experts_per_pass_independent": independent,
             "union_measured_over_independent": float(experts.mean()) / independent,
-            "trunk_seconds_per_pass": statistics.median(
-                sum(s.trunk_seconds for s in r) / p for r, p in zip(runs[n], n_passes)),
-            "head_seconds_per_draft": statistics.median(
-                sum(s.head_seconds for s in r) / (p * (n - 1)) for r, p in zip(runs[n], n_passes)) if n > 1 else 0.0,
+            "trunk_seconds_per_pass": costs[n]["verify"],
+            "head_seconds_per_draft": head,
             "trunk_bytes_per_pass": throughput.total(
                 throughput.trunk_pass_bytes(config, in_memory, n, context, measured_union, cache_bytes)),
             "trunk_bytes_per_pass_independent": throughput.total(
@@ -201,10 +259,34 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
     for r in results:
         r["speedup_vs_plain"] = r["tokens_per_second"] / plain if plain else None
+    from . import blas
+
     report = {"model": str(model.path), "config": _config_summary(model), "max_tokens": max_tokens,
-              "prompts": len(prompts), "repeats": repeats, "context": context, "results": results}
+              "prompts": len(prompts), "repeats": repeats, "context": context, "blas": blas.describe(),
+              "results": results}
     report["cost_model"] = _fit_and_predict(model, in_memory, results, context, cache_bytes)
+    if peer is not None:
+        report["peer"] = _peer_report(peer, outputs, speeds, n_drafts, plain_tokens, results)
     return report
+
+
+def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list, results: list) -> dict:
+    """mlx-vlm beside qmtp: tok/s, acceptance, its MTP output against its own plain output and qmtp's."""
+    ours = {r["n_draft"]: r["tokens_per_second"] for r in results}
+    plain = [g["tokens"] for g in outputs[("mlx-vlm", min(n_drafts))]]
+    rows = []
+    for n in n_drafts:
+        runs = outputs[("mlx-vlm", n)]
+        proposed = np.sum([g["proposed"] for g in runs], axis=0) if n > 1 else np.zeros(0)
+        accepted = np.sum([g["accepted"] for g in runs], axis=0) if n > 1 else np.zeros(0)
+        tps = statistics.median(speeds[("mlx-vlm", n)])
+        rows.append({"n_draft": n, "tokens_per_second": tps, "tokens_per_second_min": min(speeds[("mlx-vlm", n)]),
+                     "tokens_per_second_max": max(speeds[("mlx-vlm", n)]),
+                     "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, proposed)],
+                     "same_tokens_as_own_plain": [g["tokens"] for g in runs] == plain,
+                     "same_tokens_as_qmtp": [g["tokens"] for g in runs] == plain_tokens,
+                     "qmtp_over_peer": ours[n] / tps})
+    return {"engine": f"mlx-vlm {peer.version}", "results": rows}
 
 
 def _fit_and_predict(model: Model, in_memory, results: list[dict], context: float, cache_bytes: int) -> dict | None:
@@ -246,30 +328,44 @@ def _fit_and_predict(model: Model, in_memory, results: list[dict], context: floa
 
 
 def mtp_table(report: dict) -> str:
-    head = (f"{'n_draft':>7} {'tok/s':>8} {'(min-max)':>15} {'vs plain':>8} {'predicted':>9} {'tok/pass':>8} "
-            f"{'trunk/head/rollback':>20} {'experts':>8} {'indep.':>7}  acceptance per position")
-    lines = [head, "-" * len(head)]
+    head = (f"{'n_draft':>7} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'ideal':>6} {'predicted':>9} "
+            f"{'tok/pass':>8} {'verify ms':>9} {'head ms':>7} {'build/sync ms':>13} {'lossless':>8} {'experts':>7}"
+            f"  acceptance per position")
+    lines = [f"matrix products: {report['blas']}", head, "-" * len(head)]
     predicted = {p["n_draft"]: p["predicted_speedup"] for p in (report.get("cost_model") or {}).get("predictions", [])}
     for r in report["results"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"] if a is not None) or "-"
-        split = f"{r['trunk_share']:.0%}/{r['head_share']:.0%}/{r['rollback_share']:.0%}"
         guess = f"{predicted[r['n_draft']]:>9.2f}" if r["n_draft"] in predicted else f"{'-':>9}"
+        phases = r["phase_seconds_per_pass"]
+        host = f"{phases.get('build', 0) * 1e3:.2f}/{phases.get('sync', 0) * 1e3:.2f}"
         lines.append(
-            f"{r['n_draft']:>7} {r['tokens_per_second']:>8.1f} "
-            f"{r['tokens_per_second_min']:>7.1f}-{r['tokens_per_second_max']:<7.1f} {r['speedup_vs_plain']:>8.2f} "
-            f"{guess} {r['tokens_per_trunk_pass']:>8.2f} {split:>20} {r['experts_per_pass_measured']:>8.1f} "
-            f"{r['experts_per_pass_independent']:>7.1f}  {acc}"
+            f"{r['n_draft']:>7} {r['tokens_per_second']:>7.1f} "
+            f"{r['tokens_per_second_min']:>6.1f}-{r['tokens_per_second_max']:<6.1f} {r['speedup_vs_plain']:>8.2f} "
+            f"{r['ideal_speedup']:>6.2f} {guess} {r['tokens_per_trunk_pass']:>8.2f} "
+            f"{r['trunk_seconds_per_pass'] * 1e3:>9.2f} {r['head_seconds_per_draft'] * 1e3:>7.2f} {host:>13} "
+            f"{'yes' if r['same_tokens_as_plain'] else 'NO':>8} {r['experts_per_pass_measured']:>7.1f}  {acc}"
         )
-    lines.append("experts: distinct experts a verify pass read, mean over layers (indep.: E(1-(1-k/E)^n))")
-    lines.append("experts per layer, measured:")
+    lines.append("ideal: tokens per pass / (1 + head share), the speedup if a verify pass cost a plain pass; verify "
+                 "and head ms: each compiled and timed alone; build/sync: per pass, the host's time to queue a pass "
+                 "and to wait for its tokens; lossless: greedy tokens equal plain greedy's")
+    lines.append("experts per layer, measured (independent routing E(1-(1-k/E)^n) in brackets):")
     for r in report["results"]:
         per_layer = " ".join(f"{e:5.1f}" for e in r["experts_per_layer_measured"])
-        lines.append(f"  n_draft={r['n_draft']}: {per_layer}   (independent routing: {r['experts_per_layer_independent']:.1f})")
+        lines.append(f"  n_draft={r['n_draft']}: {per_layer}   ({r['experts_per_layer_independent']:.1f})")
     cost = report.get("cost_model")
     if cost:
         lines.append(f"cost model fitted to the verify passes: {cost['overhead'] * 1e3:.2f} ms per pass + bytes at "
-                     f"{cost['bandwidth'] / 1e9:.2f} GB/s (effective); head step overhead {cost['head_overhead'] * 1e3:.2f} ms; "
-                     f"plain passes (overlapped) take {1 / cost['plain_overlap']:.2f} of what it predicts for them")
+                     f"{cost['bandwidth'] / 1e9:.2f} GB/s (effective); head step overhead {cost['head_overhead'] * 1e3:.2f} ms")
+    peer = report.get("peer")
+    if peer:
+        lines.append(f"{peer['engine']} on the same checkpoint and prompts, interleaved in the same rounds:")
+        lines.append(f"{'n_draft':>7} {'tok/s':>7} {'(min-max)':>13} {'qmtp/peer':>9} {'own plain':>9} {'= qmtp':>6}  acceptance")
+        for r in peer["results"]:
+            acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"] if a is not None) or "-"
+            lines.append(f"{r['n_draft']:>7} {r['tokens_per_second']:>7.1f} {r['tokens_per_second_min']:>6.1f}-"
+                         f"{r['tokens_per_second_max']:<6.1f} {r['qmtp_over_peer']:>9.2f} "
+                         f"{'yes' if r['same_tokens_as_own_plain'] else 'NO':>9} "
+                         f"{'yes' if r['same_tokens_as_qmtp'] else 'NO':>6}  {acc}")
     return "\n".join(lines)
 
 

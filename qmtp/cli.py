@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--prompts-per-register", type=positive_int, default=2)
     mtp.add_argument("--n-draft-max", type=positive_int, default=5)
     mtp.add_argument("--json", type=json_destination, help="also write the results here")
+    mtp.add_argument("--peer", choices=("mlx-vlm",), help="also run this engine's own MTP decoding on the same checkpoint")
     decode = benches.add_parser("decode", help="plain greedy decoding, qmtp against mlx-lm, interleaved in one run")
     decode.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
     decode.add_argument("--scaled", type=Path, metavar="DIR",
@@ -298,11 +299,24 @@ def bench(args) -> int:
               f"{report['dtype']}")
         print(benchmarks.decode_table(report))
     else:
-        report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats)
+        peer = _peer_engine(model.path) if args.peer else None
+        report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats,
+                                peer=peer)
         print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved repeats")
         print(benchmarks.mtp_table(report))
     benchmarks.write_json(report, args.json)
     return 0
+
+
+def _peer_engine(path):
+    """mlx-vlm on the same checkpoint, or None with one line saying why not (the bench goes on without it)."""
+    from . import peer
+
+    reason = peer.available()
+    if reason:
+        print(f"--peer mlx-vlm: skipped, {reason}", flush=True)
+        return None
+    return peer.MlxVlmEngine(path)
 
 
 def _bench_prompts(model, per_register: int) -> list[list[int]]:
