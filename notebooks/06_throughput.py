@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -59,6 +61,17 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 # %%
 report = bench.mtp(model, prompts, max_tokens=MAX_TOKENS, n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS)
 by_n = {r["n_draft"]: r for r in report["results"]}
+assert all(r["same_tokens_as_plain"] for r in report["results"])
+display(Markdown(inventory.markdown_table(
+    [{"n_draft": r["n_draft"], "tok/s": r["tokens_per_second"], "vs plain": r["speedup_vs_plain"],
+      "ideal": r["ideal_speedup"], "tokens/pass": r["tokens_per_trunk_pass"],
+      "verify ms": r["trunk_seconds_per_pass"] * 1e3, "head ms/draft": r["head_seconds_per_draft"] * 1e3,
+      "queue ms/pass": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
+      "wait ms/pass": r["phase_seconds_per_pass"].get("sync", 0) * 1e3} for r in report["results"]],
+    ["n_draft", "tok/s", "vs plain", "ideal", "tokens/pass", "verify ms", "head ms/draft", "queue ms/pass",
+     "wait ms/pass"],
+    {"tok/s": "{:.0f}", "vs plain": "{:.2f}x", "ideal": "{:.2f}x", "tokens/pass": "{:.2f}", "verify ms": "{:.2f}",
+     "head ms/draft": "{:.2f}", "queue ms/pass": "{:.2f}", "wait ms/pass": "{:.2f}"})))
 glue("union_n2_measured", by_n[2]["experts_per_pass_measured"], display=False)
 glue("union_n2_formula", by_n[2]["experts_per_layer_independent"], display=False)
 glue("union_n5_measured", by_n[5]["experts_per_pass_measured"], display=False)
@@ -207,7 +220,11 @@ glue("tiny_pass_ms", plain["trunk_seconds_per_pass"] * 1e3, display=False)
 glue("tiny_verify2_ms", by_n[2]["trunk_seconds_per_pass"] * 1e3, display=False)
 glue("tiny_bandwidth", cost["bandwidth"] / 1e9, display=False)
 glue("tiny_mb_pass", plain["trunk_bytes_per_pass"] / 1e6, display=False)
-glue("tiny_overlap", 1 / cost["plain_overlap"], display=False)
+glue("tiny_blas", report["blas"], display=False)
+glue("tiny_build_share", by_n[2]["phase_seconds_per_pass"].get("build", 0) / by_n[2]["decode_seconds_per_pass"],
+     display=False)
+glue("tiny_ideal_n2", by_n[2]["ideal_speedup"], display=False)
+glue("tiny_head_ms", by_n[2]["head_seconds_per_draft"] * 1e3, display=False)
 glue("tiny_pred_n2", predicted[2]["predicted_speedup"], display=False)
 glue("tiny_meas_n2", by_n[2]["speedup_vs_plain"], display=False)
 glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f}x (n_draft={best['n_draft']})"
@@ -221,10 +238,19 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # {glue:text}`tiny_overhead_ms:.1f` ms of every pass in a fixed overhead and prices the rest at an effective
 # {glue:text}`tiny_bandwidth:.2f` GB/s: not the memory's bandwidth, but the rate at which a longer pass's
 # extra work costs time, most of it more operations to dispatch (one more step of every DeltaNet
-# recurrence, one more query in every attention layer, more experts to gather). Plain decoding queues each pass before
-# reading the previous token, so its passes can overlap (measured, they take {glue:text}`tiny_overlap:.2f`
-# of what the fitted line gives for them); a speculative step has to read its drafts and the trunk's
-# verdict before it can go on. The model predicts {glue:text}`tiny_pred_n2:.2f`x at `n_draft=2`,
+# recurrence, one more query in every attention layer, more experts to gather, and one more row through every
+# matrix product, which MLX hands to {glue:text}`tiny_blas` (`qmtp.blas`: the `mlx[cpu]` wheel for Linux
+# carries netlib's reference BLAS, on which a product of n rows costs n products of one; qmtp loads the
+# machine's OpenBLAS for MLX when there is one).
+#
+# A speculative step is one function of arrays (`qmtp.decoding.step`: draft, verify, accept, roll back),
+# with greedy acceptance computed on the device, so the loop reads one small array per trunk pass and queues
+# the next pass before reading it. On the CPU that overlap is small: MLX lets the host run only a few
+# operations ahead of the computation, so queueing a pass ("build" in the bench's table) takes
+# {glue:text}`tiny_build_share:.0%` of a pass's time at `n_draft=2` and waiting for its tokens almost
+# nothing. A head draft step costs {glue:text}`tiny_head_ms:.2f` ms; if a verify pass cost what a plain pass
+# costs, `n_draft=2` would give {glue:text}`tiny_ideal_n2:.2f`x ("ideal" in the table); what lies between
+# that and the measurement is the price of the extra rows. The model predicts {glue:text}`tiny_pred_n2:.2f`x at `n_draft=2`,
 # {glue:text}`tiny_meas_n2:.2f`x is measured, and {glue:text}`tiny_verdict`. At the real widths the
 # bytes term dominates and the union of experts takes most of the gain back, as the previous section
 # predicts: the same equation with a different term in charge.
@@ -247,9 +273,9 @@ assert versus["same_tokens"]
 # %% [markdown]
 # qmtp decodes {glue:text}`qmtp_tps:.0f` tokens/s against mlx-lm's {glue:text}`mlx_lm_tps:.0f`
 # (ratio {glue:text}`qmtp_ratio:.2f`), and both produce {glue:text}`same_tokens` greedy tokens. qmtp gets
-# there by running each decoder layer of a decode or verify pass as one compiled function of its input and
-# state (`mx.compile`), which fuses its elementwise work and replays it without Python, and by queueing the
-# next pass before reading the current token. At the tiny widths a pass costs what it dispatches, so this
+# there by running a whole decode or verify step as one compiled function of the state it carries
+# (`mx.compile` over `qmtp.decoding.step`), which fuses its elementwise work and replays it without Python,
+# and by queueing the next pass before reading the current token. At the tiny widths a pass costs what it dispatches, so this
 # is where an engine's own overheads show. At the real widths both engines spend their time in the same
 # MLX matrix kernels, each operation on one core. There qmtp's one advantage is `qmtp.cores`: lm_head, the
 # widest weight a step reads, is cut into blocks of rows computed on separate CPU streams, so on separate
