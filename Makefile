@@ -14,7 +14,7 @@ ROCM_MARK := $(VENV)/.rocm
 # the book root is the repository root (_config.yml and _toc.yml live here)
 BOOK_BUILD := $(VENV)/bin/jupyter-book build --all -W -n --keep-going .
 
-.PHONY: venv vendor book test test-deps browser-test rocm-venv
+.PHONY: venv vendor book test test-deps openblas browser-test rocm-venv
 
 venv: $(STAMP)
 
@@ -49,7 +49,7 @@ $(VENDOR_STAMP): $(VENDOR)/package.json $(VENDOR)/package-lock.json
 # runs against changes, drop the cached outputs so every chapter executes again.
 MODEL_STAMP := _build/.qmtp_model
 
-book: venv vendor
+book: venv vendor openblas
 	@mkdir -p _build; \
 	if [ "$$(cat $(MODEL_STAMP) 2>/dev/null)" != "$${QMTP_MODEL:-}" ]; then \
 	  echo "QMTP_MODEL changed: clearing _build/.jupyter_cache"; rm -rf _build/.jupyter_cache; \
@@ -75,8 +75,17 @@ test: venv test-deps
 # not defined). A ROCm venv skips `peer`, whose mlx-vlm would pull an mlx wheel over the machine's build.
 TEST_EXTRAS_STAMP := $(VENV)/.test-extras
 
-test-deps: $(TEST_EXTRAS_STAMP)
+test-deps: $(TEST_EXTRAS_STAMP) openblas
 	@tools/apt-need.sh /usr/bin/chromium chromium "for the browser test (tests/test_browser.py)"
+
+# MLX's Linux CPU wheel multiplies with netlib's reference BLAS; qmtp loads the machine's OpenBLAS for it
+# (qmtp.blas), which the chapters' speed measurements assume. Optional: without it qmtp says so and goes on.
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+openblas:
+	@if [ "$$(uname)" = Linux ] && [ ! -f $(ROCM_MARK) ]; then \
+	  tools/apt-need.sh $(OPENBLAS) libopenblas0-pthread "for MLX's matrix products on the CPU (qmtp.blas)" \
+	    || echo "going on with the MLX wheel's reference BLAS"; \
+	fi
 
 $(TEST_EXTRAS_STAMP): $(STAMP) pyproject.toml
 	if [ -f $(ROCM_MARK) ]; then \

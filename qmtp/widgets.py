@@ -29,11 +29,15 @@ def steps_html(generation, tokenizer, upto: int) -> str:
 
 
 def step_explorer(generation, tokenizer):
-    """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's."""
+    """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's.
+
+    Every step's text is rendered up front and the slider picks one in the browser (jslink), so the book's
+    saved widget state answers the slider without a kernel: offline, in a downloaded copy.
+    """
     import ipywidgets as w
 
     n = len(shown_passes(generation))
+    views = w.Stack([w.HTML(steps_html(generation, tokenizer, k)) for k in range(n + 1)], selected_index=n)
     slider = w.IntSlider(value=n, min=0, max=n, description="passes")
-    view = w.HTML(steps_html(generation, tokenizer, n))
-    slider.observe(lambda change: setattr(view, "value", steps_html(generation, tokenizer, change["new"])), "value")
-    return w.VBox([slider, view])
+    w.jslink((slider, "value"), (views, "selected_index"))
+    return w.VBox([slider, views])

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# usage: tools/apt-need.sh COMMAND PACKAGE WHY
+# usage: tools/apt-need.sh COMMAND PACKAGE WHY   (COMMAND may be a file path, e.g. a library)
 # Installs Debian's PACKAGE when COMMAND is missing (CI runs as root on Debian); anywhere else it stops with
 # one line saying what to install, since make cannot sudo on the reader's behalf.
 set -euo pipefail
 command="$1" package="$2" why="$3"
-command -v "$command" >/dev/null 2>&1 && exit 0
+have() { command -v "$command" >/dev/null 2>&1 || { [[ "$command" == /* ]] && [ -e "$command" ]; }; }
+have && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "$command is missing ($why): install it, e.g. sudo apt-get install -y $package" >&2
   exit 1
@@ -19,4 +20,4 @@ if ! install && ! { apt-get update -q >>"$log" 2>&1 && install; }; then
   echo "apt-get install -y $package failed (last lines above): $command is needed $why" >&2
   exit 1
 fi
-command -v "$command" >/dev/null 2>&1 || { echo "$package is installed but $command is still missing" >&2; exit 1; }
+have || { echo "$package is installed but $command is still missing" >&2; exit 1; }
