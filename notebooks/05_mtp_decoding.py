@@ -22,6 +22,26 @@
 # trunk agrees with is kept, plus the trunk's next token; every cache is cut back to what was kept.
 # Greedy output is therefore exactly plain greedy output, only produced in fewer trunk passes
 # {cite}`leviathan2023speculative`.
+#
+# The code follows the same four steps: `qmtp.decoding.step` calls `draft`, `verify`, the acceptance
+# strategy's `accept` (`Greedy` or `Rejection`) and `roll_back`, and `qmtp.speculative.decode_steps` runs
+# one such step per trunk pass.
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - one step of speculative decoding with the MTP head as drafter: draft, verify in one trunk pass, keep
+#   the agreed prefix plus the trunk's token, cut every cache back;
+# - why greedy output is exactly plain greedy output (checked live on held-out prompts);
+# - how acceptance falls with each further draft position, by register, and without parts of the head.
+#
+# **What runs here.** The bundled model decodes held-out prompts plainly and with `n_draft` 2 to 5; every
+# rate is counted in this run. The chapter's run time in this build is in the
+# {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
+# notebook, to run it yourself.
+# :::
 
 # %%
 import qmtp
@@ -169,9 +189,8 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 #
 # ## Explorer
 #
-# Move the slider to replay the worked example pass by pass. (The explorer needs JavaScript and the
-# ipywidgets library, which the page loads from the web; offline, the worked example's figure above shows
-# the same passes.)
+# Move the slider to replay the worked example pass by pass: every pass's text is saved in the page, so
+# the slider works without a kernel and without network (the widget manager is vendored with the book).
 
 # %%
 widgets.step_explorer(example, model.tokenizer)
@@ -187,3 +206,25 @@ saved = results.save("05_mtp_decoding", path, {
     "previous_head": None if compared is None else {
         label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
 })
+
+# %% [markdown]
+# ## Exercises
+#
+# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# the notebook (the download button at the top of the page gives it).
+#
+# 1. Change `n_draft` in the worked example (`qmtp.generate(..., n_draft=3)`) to 2 and to 5.
+#
+#    *Where the answer shows:* the figure of the worked example and the explorer: fewer trunk passes with
+#    longer drafts while most are accepted, and the same text every time.
+#
+# 2. Draft with a head rounded to 4 bits: `qmtp.generate(model, prompt, n_draft=2,
+#    head=qmtp.mtp.with_weight_bits(model.mtp, 4, group_size=32))`, and compare `.stats.acceptance`.
+#
+#    *Where the answer shows:* beside the complete head's rate in this chapter; {doc}`04_quantizing` has the
+#    same measurement for every width.
+#
+# 3. Check losslessness yourself: `qmtp.generate(model, p, max_tokens=40, n_draft=4).tokens` against
+#    `n_draft=1` for a prompt of your own.
+#
+#    *Where the answer shows:* the two token lists are equal, as in this chapter's live check.

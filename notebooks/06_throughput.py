@@ -24,6 +24,22 @@
 # for the real model and for a dense model of the same active size, and sets the prediction beside what
 # is measured here. The arithmetic lives in `qmtp.throughput`, the measurements in `qmtp.bench`
 # (`python -m qmtp bench mtp` and `bench decode` print the same tables).
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - how many experts a verify pass over `n` tokens reads in each MoE layer, counted and from the formula;
+# - how bytes read become time on a memory-bound machine, and the speedup MTP can give an A3B MoE next to a
+#   dense model of the same active size;
+# - where a speculative step's time goes on the tiny model, and qmtp against mlx-lm.
+#
+# **What runs here.** The cost model is pure arithmetic on the real config; the tiny model's passes and
+# decoding speeds are measured in this run (timings vary with the machine and its load). The chapter's run
+# time in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of
+# the page gives this notebook.
+# :::
 
 # %%
 import os
@@ -289,3 +305,21 @@ saved = results.save("06_throughput", path, {
     "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},
     "qmtp_over_mlx_lm": versus["ratio"],
 })
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Count the union for a model with fewer experts: `throughput.expected_union(64, 8, n)` for `n` 1 to 5.
+#
+#    *Where the answer shows:* beside the formula's curve in the figure of the expert union: fewer experts
+#    fill up sooner, so each extra token verified costs less.
+#
+# 2. Run `python -m qmtp bench mtp` in a terminal, then `QMTP_BLAS=bundled python -m qmtp bench mtp`.
+#
+#    *Where the answer shows:* the first line of each table names the BLAS; compare the "verify ms" column
+#    for `n_draft` 1 and 5, and the "vs plain" column.
+#
+# 3. Set `QMTP_CORES=1` and rerun `python -m qmtp bench decode`.
+#
+#    *Where the answer shows:* the qmtp row of *qmtp against mlx-lm*; on the tiny model lm_head is not split,
+#    so the number should not move.
