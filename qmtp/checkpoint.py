@@ -272,23 +272,48 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
 
 
+# mx.load's lazy arrays per file, each handed out once (popped), so this cache never holds a loaded tensor.
+_LAZY: dict[Path, tuple[tuple, dict]] = {}
+
+
+def _lazy_array(info: TensorInfo, stat):
+    """The tensor as one of mx.load's lazy arrays: evaluating it reads its bytes with pread into a buffer of its
+    own, so a whole model loads in its own size, without a mapping of the file beside it."""
+    import mlx.core as mx
+
+    key = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    cached = _LAZY.get(info.file)
+    if cached is None or cached[0] != key or info.name not in cached[1]:
+        cached = _LAZY[info.file] = (key, mx.load(str(info.file)))
+    return cached[1].pop(info.name)
+
+
 def read_tensor(info: TensorInfo, index: tuple | None = None):
     """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype.
 
-    The file is mapped rather than read into a buffer: MLX copies straight from the page cache, once.
-    With `index` (a tuple of slices) only that part is copied, e.g. the gate half of fused experts.
+    A whole tensor is read by MLX (mx.load, then evaluated here): one copy, in a buffer MLX owns. With `index`
+    (a tuple of slices) the file is mapped and only that part is copied, e.g. the gate half of fused experts.
     """
     import mlx.core as mx
 
     np_dtype, mx_name, _ = DTYPES[info.dtype]
     try:
         with open(info.file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            stat = os.fstat(f.fileno())
+            size = stat.st_size
             if info.offset + info.nbytes > size:
                 raise CheckpointError(
                     f"{info.file}: tensor {info.name!r} is cut short ({max(0, size - info.offset)} of {info.nbytes} "
                     f"bytes); the file was truncated after its header was read"
                 )
+            out = None
+            if index is None and info.nbytes:
+                try:
+                    out = _lazy_array(info, stat)
+                    mx.eval(out)
+                    return out
+                except RuntimeError:  # mx.load checks the whole file: a cut elsewhere still lets this tensor read
+                    out = None
             if info.nbytes == 0:
                 out = mx.array(np.zeros(info.shape, dtype=np_dtype))
             else:
@@ -296,7 +321,7 @@ def read_tensor(info: TensorInfo, index: tuple | None = None):
                     view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset).reshape(info.shape)
                     out = mx.array(view if index is None else view[index])  # a copy: the mapping can close
                     del view
-    except OSError as err:
+    except (OSError, RuntimeError, ValueError, KeyError) as err:  # MLX reports its read and header errors as these
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({err})") from None
     if mx_name == "bfloat16":
         out = out.view(mx.bfloat16)
@@ -478,13 +503,15 @@ def tensor_bytes(array) -> memoryview:
     return view.cast("B")
 
 
-def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None = None, sparse: bool = False) -> int:
+def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None = None,
+                      sparse: bool | str = False) -> int:
     """Stream tensors into one safetensors file, one at a time; returns the bytes written.
 
     `entries` is a list of (name, dtype, shape, produce) where dtype is the safetensors spelling and
     `produce()` returns the tensor's bytes when it is its turn, so only one tensor is in memory at once. With
     `sparse=True` the data region is left as a hole (zeros, no disk blocks): checkpoints of the real model's
-    size for tests that read only headers.
+    size for tests that read only headers. With `sparse="partial"` a produce of None leaves its tensor a hole
+    and one returning fewer bytes than the tensor fills only its start (the first rows); the rest reads as zeros.
     """
     path = Path(path)
     header, offset = {}, 0
@@ -499,13 +526,21 @@ def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        if sparse:
-            f.truncate(8 + len(raw) + offset)
-        else:
-            for name, _, _, produce in entries:
-                data = memoryview(produce()).cast("B")
-                if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
-                    raise CheckpointError(f"{path}: tensor {name!r} produced {data.nbytes} bytes, header says otherwise")
+        data_start = 8 + len(raw)
+        if sparse is True:
+            f.truncate(data_start + offset)
+            return data_start + offset
+        for name, _, _, produce in entries:
+            begin, end = header[name]["data_offsets"]
+            data = None if produce is None else memoryview(produce()).cast("B")
+            if sparse != "partial" and (data is None or data.nbytes != end - begin):
+                raise CheckpointError(f"{path}: tensor {name!r} produced "
+                                      f"{'nothing' if data is None else data.nbytes} bytes, header says {end - begin}")
+            if data is not None and data.nbytes > end - begin:
+                raise CheckpointError(f"{path}: tensor {name!r} produced {data.nbytes} bytes, more than its {end - begin}")
+            if data is not None and data.nbytes:
+                f.seek(data_start + begin)
                 f.write(data)
-                del data
-    return 8 + len(raw) + offset
+            del data
+        f.truncate(data_start + offset)  # holes up to the end: the last tensors may not have been written
+    return data_start + offset

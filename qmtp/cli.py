@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--allow-incomplete-head", action="store_true",
                          help="convert a head that lacks its routed experts (it drafts far worse)")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    synth = commands.add_parser("synthetic", help="write a random checkpoint in the released layout")
+    synth.add_argument("dir", type=Path, help="directory to create (refused if it exists)")
+    synth.add_argument("--preset", required=True, choices=("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reduced"),
+                       help="qwen3.6-35b-a3b: the release's names, shapes, dtypes and 26 shards; -reduced: "
+                            "the same widths with 4 layers and 16 experts")
+    synth.add_argument("--sparse", action="store_true",
+                       help="routed experts and other big tensors as holes (zeros, no disk); small ones seeded")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--quiet", action="store_true", help="no progress bar")
     doctor = commands.add_parser("doctor", help="check the MLX backend and, given a model, the checkpoint")
     doctor.add_argument("model", nargs="?", help="checkpoint directory to check (default: the backend only)")
     doctor.add_argument("--scan", action="store_true", help="also read every tensor and look for NaN/Inf")
@@ -408,7 +417,19 @@ def _one_line_warnings():
         yield
 
 
-COMMANDS = {"chat": chat, "convert": convert, "doctor": doctor, "bench": bench}
+def synthetic(args) -> int:
+    from .synthetic import write_preset
+
+    path = write_preset(args.dir, args.preset, sparse=args.sparse, seed=args.seed, progress=not args.quiet)
+    files = sorted(path.glob("*.safetensors"))
+    apparent = sum(f.stat().st_size for f in files)
+    on_disk = sum(f.stat().st_blocks * 512 for f in files)
+    print(f"wrote {path}: {args.preset}, {len(files)} safetensors files, {apparent / 1e9:.1f} GB "
+          f"({on_disk / 1e9:.2f} GB on disk)")
+    return 0
+
+
+COMMANDS = {"chat": chat, "convert": convert, "doctor": doctor, "bench": bench, "synthetic": synthetic}
 
 
 class Terminated(BaseException):

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import cores
 from . import fixes as fixes_mod
 from . import layout
+from . import memory
 from .attention import GatedAttention, causal_mask
 from .cache import KVCache, LinearCache, ModelCache
 from .checkpoint import Checkpoint
@@ -275,6 +276,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
 
     model = Model(config, head=with_head, head_routed_experts=head_routed)
     quantize_layers(model, widths)
+    # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
+    memory.check_fits(loaded_bytes(model, dtype), f"{path}: loading the model")
     reader = layout.Reader(ckpt, config)
     wanted = set(_flat_names(model))
     weights = []
@@ -300,6 +303,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     if not config.tie_word_embeddings:  # after quantize_layers: lm_head is its final module now
         model._lm_head_split = cores.split_lm_head(model.lm_head)
     model.path = path
+    mx.clear_cache()  # the casts' freed buffers would otherwise stay in MLX's cache, counted in the RSS
     if tokenizer and (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer
 
@@ -307,6 +311,18 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         model.tokenizer.check_fits(config.vocab_size, path)
     return model
 
+
+
+def loaded_bytes(model: Model, dtype) -> int:
+    """The bytes `model`'s weights take once loaded: quantized codes as stored, float weights in `dtype` (float32
+    for the FLOAT32_SUFFIXES ones). Read from the placeholders' shapes, which are never evaluated."""
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            total += p.size * (4 if name.endswith(FLOAT32_SUFFIXES) else dtype.size)
+        else:
+            total += p.nbytes
+    return total
 
 
 def quantize_layers(model: Model, widths: dict[str, tuple[int, int]]) -> None:

@@ -15,6 +15,9 @@ Layouts:
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from . import fixes as fixes_mod
 from .checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
-from .config import ModelConfig
+from .config import QWEN36_35B_A3B, ModelConfig
 from .errors import UsageError
 from .layout import LAYOUTS, expected_shapes, stored_entries
 
@@ -112,6 +115,41 @@ def _config_json(config: ModelConfig, layout: str) -> dict:
     return text
 
 
+# A few tensors of the release's vision tower, at their real shapes: loaders must skip them.
+VISION_CONFIG = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
+                 "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 2048}
+VISION_TENSORS = {
+    "model.visual.patch_embed.proj.weight": (1152, 3, 2, 16, 16),
+    "model.visual.patch_embed.proj.bias": (1152,),
+    "model.visual.blocks.0.norm1.weight": (1152,),
+    "model.visual.blocks.0.attn.qkv.weight": (3456, 1152),
+    "model.visual.merger.linear_fc2.weight": (2048, 4608),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tiny"
+# With seeded holes: tensors above this size are holes, as is every routed expert, whatever its size.
+HOLE_BYTES = 64 << 20
+SEEDED_ROWS = 4096  # embedding rows with values: more than the bundled tokenizer's vocabulary
+
+
+def is_hole(name: str, shape: tuple[int, ...], dtype: str) -> bool:
+    """Whether a seeded sparse checkpoint leaves `name` a hole: routed experts and anything over HOLE_BYTES
+    except lm_head (its rows all score, so argmax stays among real tokens only if all are seeded)."""
+    if name == "lm_head.weight":
+        return False
+    nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
+    return ".mlp.experts." in name or nbytes > HOLE_BYTES
+
+
+def _seeded_or_hole(name, shape, produce, dtype, seed):
+    if not is_hole(name, shape, dtype):
+        return produce
+    if name.endswith("embed_tokens.weight"):
+        rows = (min(SEEDED_ROWS, shape[0]),) + tuple(shape[1:])
+        return lambda: array_bytes(stored_value("embed_tokens.weight", rows, seed), dtype)
+    return None
+
+
 def write_checkpoint(
     directory: str | Path,
     config: ModelConfig,
@@ -123,11 +161,19 @@ def write_checkpoint(
     head_experts: bool = True,
     head_experts_fused: bool = False,
     sparse: bool = False,
+    seeded: bool = False,
+    vision: bool = False,
+    tokenizer: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Write config.json and safetensors (sharded with an index when `shards` > 1); returns the directory.
 
     `head_experts=False` writes a head without its routed experts, as crippled conversions ship it.
     `sparse=True` writes real headers over holes: a checkpoint of the real model's size in no disk space.
+    With `seeded` as well, only the big tensors are holes (`is_hole`); routers, norms, attention, shared experts,
+    lm_head and the embeddings' first rows get their seeded values, so tokens route differently and decoding runs.
+    `vision` adds the release's `vision_config` and a few `model.visual.*` tensors (which loaders skip);
+    `tokenizer` copies the bundled tiny model's tokenizer (its ids fall in the seeded embedding rows).
     """
     if layout not in LAYOUTS:
         raise UsageError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -135,7 +181,13 @@ def write_checkpoint(
         raise UsageError(f"dtype {dtype!r}: use BF16, F16 or F32")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(_config_json(config, layout), indent=2))
+    raw_config = _config_json(config, layout)
+    if vision:
+        raw_config["vision_config"] = dict(VISION_CONFIG)
+    (directory / "config.json").write_text(json.dumps(raw_config, indent=2))
+    if tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(BUNDLED_TOKENIZER / name, directory / name)
 
     entries = [
         (name, dtype, shape, (lambda p=produce: array_bytes(p(), dtype)))
@@ -144,6 +196,12 @@ def write_checkpoint(
             head_experts_fused, expert_value=lambda n, e, shape: expert_value(n, e, shape, seed),
         )
     ]
+    if vision:
+        entries += [(name, dtype, shape, (lambda n=name, s=shape: array_bytes(_rng(seed, n).normal(0, 0.02, s), dtype)))
+                    for name, shape in VISION_TENSORS.items()]
+    if sparse and seeded:
+        sparse = "partial"
+        entries = [(name, d, shape, _seeded_or_hole(name, shape, produce, d, seed)) for name, d, shape, produce in entries]
     if shards <= 1:
         write_safetensors(directory / "model.safetensors", entries, {"format": "pt"}, sparse=sparse)
         return directory
@@ -151,9 +209,64 @@ def write_checkpoint(
     sizes = [int(np.prod(e[2], dtype=np.int64)) * DTYPES[dtype][2] for e in entries]
     groups = shard_groups(sizes, shards)
     weight_map = {}
-    for i, group in enumerate(groups, 1):
+    from tqdm import tqdm
+
+    for i, group in enumerate(tqdm(groups, desc="writing shards", unit="shard", disable=not progress), 1):
         shard = shard_name(i, len(groups))
         write_safetensors(directory / shard, [entries[j] for j in group], {"format": "pt"}, sparse=sparse)
         weight_map.update({entries[j][0]: shard for j in group})
     write_index(directory, weight_map, sum(sizes))
     return directory
+
+
+# What `python -m qmtp synthetic --preset` writes: the release as published (26 shards, vision tensors, a
+# tokenizer), and the same layout at real widths with fewer layers and experts, for tests that must always run.
+PRESETS = {
+    "qwen3.6-35b-a3b": dict(config=QWEN36_35B_A3B, shards=26),
+    "qwen3.6-35b-a3b-reduced": dict(config=QWEN36_35B_A3B.replace(num_hidden_layers=4, layer_types=[], num_experts=16), shards=3),
+}
+
+
+def stored_bytes(config: ModelConfig, sparse: bool, dtype: str = "BF16") -> int:
+    """Disk blocks a preset takes: every tensor, or with `sparse` only the seeded ones (the holes take none)."""
+    total = 0
+    for name, shape, _ in stored_entries(config, "released", lambda n, s: None, config.has_mtp):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
+        if sparse and is_hole(name, shape, dtype):
+            nbytes = nbytes * min(SEEDED_ROWS, shape[0]) // shape[0] if name.endswith("embed_tokens.weight") else 0
+        total += nbytes
+    return total
+
+
+def write_preset(directory: str | Path, preset: str, sparse: bool = False, seed: int = 0, progress: bool = True) -> Path:
+    """Write preset `preset` into `directory`, which must not exist yet: a temporary sibling is renamed at the end,
+    so an interrupted run leaves nothing half-written behind."""
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    directory = Path(directory)
+    if directory.exists():
+        raise UsageError(f"{directory}: already exists; give a new directory")
+    parent = directory.parent
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory to write {directory.name} into")
+    config, shards = PRESETS[preset]["config"], PRESETS[preset]["shards"]
+    needed, free = stored_bytes(config, sparse), shutil.disk_usage(parent).free
+    if needed > free:
+        raise UsageError(f"{parent}: {preset} needs {needed / 1e9:.1f} GB on disk, {free / 1e9:.1f} GB are free"
+                         + ("" if sparse else " (--sparse needs a few GB)"))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=parent))
+    try:
+        write_checkpoint(tmp, config, layout="released", seed=seed, dtype="BF16", shards=shards, sparse=sparse,
+                         seeded=sparse, vision=True, tokenizer=True, progress=progress)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a model folder is readable by others
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,140 @@
+"""The released Qwen3.6-35B-A3B layout end to end: `synthetic --preset` (seeded, experts as holes), doctor,
+4-bit convert, reload, two tokens; and loading that measures the memory it needs before it takes it.
+
+The reduced preset (real widths, 4 layers, 16 experts, same names and nesting) always runs; the full-size one
+needs tens of GB of disk and memory and is skipped, saying why, where they are not there.
+"""
+
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from qmtp import memory, synthetic
+from qmtp.checkpoint import Checkpoint, INDEX_NAME
+
+PYTHON = sys.executable
+
+
+def run(*args, limit_kb=None, timeout=3600):
+    """`python -m qmtp ARGS` in a subprocess (under `ulimit -v limit_kb` if given): (returncode, stdout, stderr)."""
+    preexec = None
+    if limit_kb is not None:
+        def preexec():
+            resource.setrlimit(resource.RLIMIT_AS, (limit_kb * 1024, limit_kb * 1024))
+    done = subprocess.run([PYTHON, "-m", "qmtp", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=preexec)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    directory = Path(tempfile.mkdtemp(prefix="qmtp-fullsize-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+    assert not directory.exists()
+
+
+@pytest.fixture(scope="module")
+def reduced(workdir):
+    path = synthetic.write_preset(workdir / "reduced", "qwen3.6-35b-a3b-reduced", sparse=True, progress=False)
+    return path
+
+
+def test_preset_has_the_released_layout(reduced):
+    raw = json.loads((reduced / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5_moe" and raw["text_config"]["model_type"] == "qwen3_5_moe_text"
+    assert raw["vision_config"]["hidden_size"] == 1152
+    index = json.loads((reduced / INDEX_NAME).read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    names = Checkpoint(reduced).names()
+    assert any(n.startswith("model.visual.") for n in names)
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names
+    assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in names  # the head's experts one by one
+    assert (reduced / "tokenizer.json").exists()
+
+
+def test_sparse_preset_seeds_the_small_tensors_and_leaves_experts_holes(reduced):
+    ckpt = Checkpoint(reduced)
+    import mlx.core as mx
+
+    experts = ckpt.load("model.language_model.layers.0.mlp.experts.down_proj")
+    router = ckpt.load("model.language_model.layers.0.mlp.gate.weight")
+    embed = ckpt.load("model.language_model.embed_tokens.weight")
+    assert mx.all(experts == 0).item()
+    assert mx.std(router.astype(mx.float32)).item() > 0.01
+    assert mx.all(embed[synthetic.SEEDED_ROWS:] == 0).item()
+    rows = embed[: synthetic.SEEDED_ROWS].astype(mx.float32)
+    assert mx.min(mx.sum(rows * rows, axis=1)).item() > 0  # every seeded row is a distinct random vector
+    on_disk = sum(p.stat().st_blocks * 512 for p in reduced.glob("*.safetensors"))
+    apparent = sum(p.stat().st_size for p in reduced.glob("*.safetensors"))
+    assert on_disk < 0.6 * apparent
+    assert abs(on_disk - synthetic.stored_bytes(synthetic.PRESETS["qwen3.6-35b-a3b-reduced"]["config"], True)) < 50e6
+
+
+def test_preset_refuses_an_existing_directory_and_leaves_nothing(workdir):
+    code, _, err = run("synthetic", workdir, "--preset", "qwen3.6-35b-a3b-reduced", "--sparse")
+    assert code == 2 and err.count("\n") == 1 and "already exists" in err
+
+
+def test_load_refuses_in_one_line_under_any_address_space_limit(reduced):
+    """Never a segfault: from too little to start Python up to just short of the model."""
+    for limit_gb in (0.5, 1, 2, 4, 6):
+        code, out, err = run("chat", reduced, "--prompt", "hi", "--max-tokens", "1", limit_kb=int(limit_gb * 2**20))
+        assert code >= 0, f"killed by signal {-code} under ulimit -v {limit_gb} GB: {err[-300:]}"
+        assert code != 0, f"loaded a 5.4 GiB model under a {limit_gb} GB limit?"
+        if "needs" in err:
+            assert err.count("\n") == 1 and "ulimit -v" in err, err
+
+
+def test_check_fits_names_the_ceiling():
+    with pytest.raises(memory.NotEnoughMemoryError, match="available memory|limit"):
+        memory.check_fits(1 << 60, "a model")
+    memory.check_fits(0, "nothing")
+
+
+def end_to_end(source: Path, out: Path) -> dict:
+    """doctor, convert 4-bit, reload, two tokens, each timed; asserts each step succeeds."""
+    times = {}
+    for step, args in (("doctor", ("doctor", source)),
+                       ("convert", ("convert", source, out, "--bits", "4", "--quiet")),
+                       ("chat", ("chat", out, "--use-mtp", "--n-draft", "2", "--max-tokens", "2", "--prompt", "Once"))):
+        start = time.perf_counter()
+        code, stdout, stderr = run(*args)
+        times[step] = time.perf_counter() - start
+        assert code == 0, f"{step}: {stderr[-500:]}"
+    return times
+
+
+@pytest.mark.slow
+def test_reduced_end_to_end(reduced, workdir):
+    print(end_to_end(reduced, workdir / "reduced-q4"))
+    shutil.rmtree(workdir / "reduced-q4")
+
+
+FULL = synthetic.PRESETS["qwen3.6-35b-a3b"]["config"]
+
+
+@pytest.mark.slow
+def test_full_size_end_to_end(workdir):
+    need_disk = synthetic.stored_bytes(FULL, sparse=True) + 25e9  # the 4-bit output is about 21 GB
+    free = shutil.disk_usage(workdir).free
+    if free < need_disk + 5e9:
+        pytest.skip(f"{workdir}: the full-size sparse source and its 4-bit conversion need about "
+                    f"{need_disk / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB are free")
+    room = min(memory.room().values())
+    if room < 23.5 * 2**30 - memory.OVERHEAD_BYTES:
+        pytest.skip(f"the 4-bit full-size model needs about 22.5 GiB of memory; this machine leaves "
+                    f"{room / 2**30:.1f} GiB")
+    source = synthetic.write_preset(workdir / "full", "qwen3.6-35b-a3b", sparse=True, progress=False)
+    try:
+        print(end_to_end(source, workdir / "full-q4"))
+    finally:
+        shutil.rmtree(workdir / "full", ignore_errors=True)
+        shutil.rmtree(workdir / "full-q4", ignore_errors=True)
