@@ -169,7 +169,7 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3,
-        peer=None) -> dict:
+        peer=None, auto: bool = True) -> dict:
     """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft.
 
     Speed is tokens after the first over the time from the first token to the last, per round over all
@@ -178,19 +178,23 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     per layer (measured, and the independent-routing formula), the seconds of a verify pass and of a head
     draft step (`pass_costs`), and the ideal speedup: tokens per pass / (1 + head share), what drafting
     would give if a verify pass cost what a plain pass costs. "cost_model" fits `throughput.Machine` to the
-    verify passes. `peer`: a `qmtp.peer.MlxVlmEngine`, run on the same prompts in the same rounds.
+    verify passes. `peer`: a `qmtp.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
+    n_draft="auto" in the same rounds too, reported against the best fixed n_draft ("auto" in the report).
     """
     from .speculative import PhaseTimer, generate
 
     engines = {("qmtp", n): (lambda p, n=n, t=None: generate(model, p, max_tokens=max_tokens, n_draft=n,
                                                               stop_at_eos=False, timer=t))
                for n in n_drafts}
+    if auto:
+        engines[("qmtp", "auto")] = lambda p, t=None: generate(model, p, max_tokens=max_tokens, n_draft="auto",
+                                                                stop_at_eos=False, timer=t)
     if peer is not None:
         engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
     for run in engines.values():  # warm-up: the first passes of each shape trace and compile
         run(prompts[0])
     speeds = {name: [] for name in engines}
-    outputs, timers = {}, {n: PhaseTimer() for n in n_drafts}
+    outputs, timers = {}, {n: PhaseTimer() for n in [*n_drafts, "auto"]}
     for r in range(repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             seconds = tokens = 0.0
@@ -265,9 +269,34 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
               "prompts": len(prompts), "repeats": repeats, "context": context, "blas": blas.describe(),
               "results": results}
     report["cost_model"] = _fit_and_predict(model, in_memory, results, context, cache_bytes)
+    if auto:
+        report["auto"] = _auto_report(outputs[("qmtp", "auto")], speeds[("qmtp", "auto")], results, plain_tokens,
+                                      timers["auto"], repeats)
     if peer is not None:
         report["peer"] = _peer_report(peer, outputs, speeds, n_drafts, plain_tokens, results)
     return report
+
+
+def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tokens: list, timer, repeats: int) -> dict:
+    """n_draft="auto" beside the fixed widths of the same rounds: its speed over plain and over the best fixed
+    width, how often it chose each width, and its acceptance."""
+    stats = [g.stats for g in runs]
+    best = max(results, key=lambda r: r["tokens_per_second"])
+    plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
+    tps = statistics.median(speeds)
+    widths = [w for s in stats for w in s.widths]
+    drafted = np.sum([s.drafted for s in stats], axis=0)
+    accepted = np.sum([s.accepted for s in stats], axis=0)
+    passes = len(widths)
+    return {"tokens_per_second": tps, "tokens_per_second_min": min(speeds), "tokens_per_second_max": max(speeds),
+            "speedup_vs_plain": tps / plain if plain else None,
+            "best_fixed_n_draft": best["n_draft"], "over_best_fixed": tps / best["tokens_per_second"],
+            "width_share": {n: widths.count(n) / passes for n in sorted(set(widths))},
+            "tokens_per_trunk_pass": sum(len(st.emitted) for s in stats for st in s.steps) / passes,
+            "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, drafted)],
+            "same_tokens_as_plain": [g.tokens for g in runs] == plain_tokens,
+            "calibration_seconds": max(s.calibration_seconds for s in stats),
+            "phase_seconds_per_pass": {name: t / (repeats * passes) for name, t in timer.seconds.items()}}
 
 
 def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list, results: list) -> dict:
@@ -286,7 +315,9 @@ def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list
                      "same_tokens_as_own_plain": [g["tokens"] for g in runs] == plain,
                      "same_tokens_as_qmtp": [g["tokens"] for g in runs] == plain_tokens,
                      "qmtp_over_peer": ours[n] / tps})
-    return {"engine": f"mlx-vlm {peer.version}", "results": rows}
+    best_ours = max(ours.values())
+    best_peer = max(r["tokens_per_second"] for r in rows)
+    return {"engine": f"mlx-vlm {peer.version}", "results": rows, "best_qmtp_over_best_peer": best_ours / best_peer}
 
 
 def _fit_and_predict(model: Model, in_memory, results: list[dict], context: float, cache_bytes: int) -> dict | None:
@@ -356,6 +387,14 @@ def mtp_table(report: dict) -> str:
     if cost:
         lines.append(f"cost model fitted to the verify passes: {cost['overhead'] * 1e3:.2f} ms per pass + bytes at "
                      f"{cost['bandwidth'] / 1e9:.2f} GB/s (effective); head step overhead {cost['head_overhead'] * 1e3:.2f} ms")
+    auto = report.get("auto")
+    if auto:
+        shares = ", ".join(f"{n}: {share:.0%}" for n, share in auto["width_share"].items())
+        lines.append(f"n_draft=auto: {auto['tokens_per_second']:.1f} tok/s ({auto['tokens_per_second_min']:.1f}-"
+                     f"{auto['tokens_per_second_max']:.1f}), {auto['speedup_vs_plain']:.2f}x plain, "
+                     f"{auto['over_best_fixed']:.2f}x the best fixed (n_draft={auto['best_fixed_n_draft']}); "
+                     f"{auto['tokens_per_trunk_pass']:.2f} tokens/pass; widths chosen {shares}; lossless "
+                     f"{'yes' if auto['same_tokens_as_plain'] else 'NO'}")
     peer = report.get("peer")
     if peer:
         lines.append(f"{peer['engine']} on the same checkpoint and prompts, interleaved in the same rounds:")
@@ -366,6 +405,7 @@ def mtp_table(report: dict) -> str:
                          f"{r['tokens_per_second_max']:<6.1f} {r['qmtp_over_peer']:>9.2f} "
                          f"{'yes' if r['same_tokens_as_own_plain'] else 'NO':>9} "
                          f"{'yes' if r['same_tokens_as_qmtp'] else 'NO':>6}  {acc}")
+        lines.append(f"best qmtp over best {peer['engine']}: {peer['best_qmtp_over_best_peer']:.2f}x")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ One step, with the trunk's cache holding x_0..x_t and the trunk's choice x_{t+1}
 
 `n_draft` follows the seed engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
 decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculative_tokens = n_draft - 1).
+`n_draft="auto"` lets `qmtp.adaptive.DraftPlanner` choose it step by step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import QmtpError, UsageError
-from . import decoding
+from . import adaptive, decoding
+from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model
 
@@ -44,12 +46,13 @@ class Step:
 
 @dataclass
 class Stats:
-    n_draft: int
+    n_draft: int | str  # "auto": chosen per step (see `widths`)
     prompt_tokens: int = 0
     generated: int = 0
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
     prefill_seconds: float = 0.0
+    calibration_seconds: float = 0.0  # n_draft="auto": timing each width's step (once per model and drafter)
     decode_seconds: float = 0.0  # from the first token to the last (the passes overlap: not split by phase)
     experts_per_pass: list[list[int]] = field(default_factory=list)  # per verify pass, per layer: distinct experts
     steps: list[Step] = field(default_factory=list)
@@ -58,6 +61,11 @@ class Stats:
     def trunk_passes(self) -> int:
         """Decode or verify passes (a replay after a partial accept is not counted: it is rollback work)."""
         return len(self.steps)
+
+    @property
+    def widths(self) -> list[int]:
+        """Each step's n_draft: its pending token and its drafts."""
+        return [1 + len(s.drafts) for s in self.steps]
 
     @property
     def tokens_per_pass(self) -> list[int]:
@@ -112,8 +120,10 @@ class Generation:
 def _check_types(max_tokens, n_draft, temperature) -> None:
     """Wrong types are usage errors too (MLX and range checks would raise a bare TypeError on them)."""
     for name, value in (("max_tokens", max_tokens), ("n_draft", n_draft)):
+        if name == "n_draft" and value == "auto":
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise UsageError(f"{name}={value!r:.40} must be an integer")
+            raise UsageError(f"{name}={value!r:.40} must be an integer" + (" or 'auto'" if name == "n_draft" else ""))
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
         raise UsageError(f"temperature={temperature!r:.40} must be a number")
 
@@ -222,7 +232,8 @@ def generate(
 
     Args:
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
-            the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1.
+            the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
+            step from 1..5 (`qmtp.adaptive`).
         temperature: 0 for greedy; otherwise rejection sampling keeps exactly the trunk's distribution.
         head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); default model.mtp.
         hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
@@ -238,12 +249,17 @@ def generate(
     if rollback not in ("record", "replay"):
         raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
     drafter = head if head is not None else model.mtp
-    _validate(model, prompt_tokens, max_tokens, n_draft, temperature, seed, drafter if n_draft > 1 else None)
+    widest = max(adaptive.WIDTHS) if n_draft == "auto" else n_draft
+    _validate(model, prompt_tokens, max_tokens, widest, temperature, seed, drafter if widest > 1 else None)
     eos = model.tokenizer.eos_id if (stop_at_eos and model.tokenizer is not None) else None
-    k = n_draft - 1
+    k = widest - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
     recorder = ExpertRecorder() if track_experts else None
     strategy = Greedy() if temperature == 0 else Rejection(temperature)
+    if n_draft == "auto":
+        started = time.perf_counter()
+        n_draft = DraftPlanner(step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens))
+        stats.calibration_seconds = time.perf_counter() - started
 
     out: list[int] = []
     started = time.perf_counter()
@@ -253,7 +269,7 @@ def generate(
     stats.prefill_seconds = time.perf_counter() - started
     started = time.perf_counter()
     for step, experts in steps:
-        for i in range(min(step.accepted + 1, k)):
+        for i in range(min(step.accepted + 1, len(step.drafts))):
             stats.drafted[i] += 1
         for i in range(step.accepted):
             stats.accepted[i] += 1
@@ -273,45 +289,52 @@ def generate(
     return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats)
 
 
-def decode_steps(model: Model, prompt_tokens: list[int], n_draft: int, strategy, head, hidden: str, rollback: str,
+def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
                  max_tokens: int, eos, seed: int, timer=_untimed):
     """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
-    for each pass, until `max_tokens` tokens or `eos` are out.
+    for each pass, until `max_tokens` tokens or `eos` are out. `n_draft`: a width, or a `DraftPlanner` that
+    chooses each step's.
 
     The next pass is queued (`mx.async_eval`) before the host reads the current one, whenever the current
     one cannot end the generation, so the machine computes while the host keeps the books: one host sync
-    per pass. With rollback="replay" the host must know what was kept before it can build the next pass."""
-    k = n_draft - 1
-    record = rollback == "record" and k > 0
-    capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * n_draft)
+    per pass (a planner therefore chooses each width knowing the steps up to the one before). With
+    rollback="replay" the host must know what was kept before it can build the next pass."""
+    planner = n_draft if isinstance(n_draft, DraftPlanner) else None
+    widest = max(planner.costs) if planner else n_draft
+    record = rollback == "record" and widest > 1
+    capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
     key = mx.random.key(seed)
-    state, last, first = _prefill(model, head if k else None, prompt_tokens, capacity, n_draft, strategy, hidden, key)
+    width = planner.choose() if planner else n_draft
+    state, last, first = _prefill(model, head if widest > 1 else None, prompt_tokens, capacity, width, strategy,
+                                  hidden, key)
     yield Step([], 0, [first])
     produced = 1
     if produced >= max_tokens or first == eos:
         return
-    run = _compiled_step(model, head, k, strategy, hidden, record)
     key = mx.random.split(key)[1]
 
     def queue(state, last, key):
+        n = planner.choose() if planner else n_draft
         with timer("build"):
-            step = run(state, last, key)
+            step = _compiled_step(model, head, n - 1, strategy, hidden, record)(state, last, key)
             mx.async_eval(step[2])
-        return step
+        return n, step
 
     queued = queue(state, last, key)
     while True:
         before = state
-        state, last, report, experts, key = queued
+        n, (state, last, report, experts, key) = queued
         queued = None
-        if (record or k == 0) and produced + n_draft < max_tokens:
+        if (record or n == 1) and produced + n < max_tokens:
             queued = queue(state, last, key)  # this pass cannot end the generation: queue the next one now
         with timer("sync"):
             report = report.tolist()
-        tokens, next_token, keep = report[:n_draft], report[n_draft], report[n_draft + 1]
-        if not record and keep < n_draft and k:
+        tokens, next_token, keep = report[:n], report[n], report[n + 1]
+        if not record and keep < n:
             with timer("replay"):
-                state, last = _replay(model, before, state, last, tokens[:keep], n_draft, hidden)
+                state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
+        if planner:
+            planner.observe(n - 1, keep - 1)
         emitted = tokens[1:keep] + [next_token]
         yield Step(tokens[1:], keep - 1, emitted), experts
         produced += len(emitted)
@@ -370,3 +393,22 @@ def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bo
             run = mx.compile(run, inputs=implicit)
         steps[key] = run
     return steps[key]
+
+
+
+def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_tokens: list[int],
+               max_tokens: int, widths=adaptive.WIDTHS) -> dict[int, float]:
+    """Seconds of one step at each width, timed on the state after the prompt (`adaptive.time_steps`);
+    measured once per model, drafter and settings, and kept with the model."""
+    record = rollback == "record"
+    costs = model.__dict__.setdefault("_step_costs", {})
+    key = (id(head), strategy.key, hidden, record, tuple(widths))
+    if key not in costs:
+        widest = max(widths)
+        capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
+        rng = mx.random.key(0)
+        state, (h, after, keep), _ = _prefill(model, head, prompt_tokens, capacity, widest, strategy, hidden, rng)
+        runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record) for n in widths}
+        inputs = {n: (state, (h[:, :n], after[:, :n], keep), rng) for n in widths}
+        costs[key] = adaptive.time_steps(runs, inputs)
+    return costs[key]

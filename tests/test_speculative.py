@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import synthetic
+from qmtp import adaptive, synthetic
 from qmtp.errors import QmtpError, UsageError
 
 
@@ -155,3 +155,67 @@ def test_quantized_head_differs_from_bf16_head(small_vocab_model):
     three = np.array(mtp.with_weight_bits(small_vocab_model.mtp, 3, group_size=32)(x, e))
     eight = np.array(mtp.with_weight_bits(small_vocab_model.mtp, 8, group_size=32)(x, e))
     assert np.abs(eight - full).max() < np.abs(three - full).max()
+
+
+def test_auto_drafting_is_lossless(small_vocab_model, model):
+    for m in (small_vocab_model, model):
+        for prompt in PROMPTS:
+            plain = qmtp.generate(m, prompt, max_tokens=20)
+            auto = qmtp.generate(m, prompt, max_tokens=20, n_draft="auto")
+            assert auto.tokens == plain.tokens
+            assert set(auto.stats.widths) <= set(adaptive.WIDTHS)
+    assert auto.stats.n_draft == "auto"
+    with pytest.raises(UsageError, match="auto"):
+        qmtp.generate(model, [1], n_draft="fast")
+
+
+class CyclingPlanner(adaptive.DraftPlanner):
+    """Changes width at every step, then falls back to plain decoding: every switch the loop can make."""
+
+    def __init__(self, order):
+        super().__init__(costs={n: 1.0 for n in adaptive.WIDTHS})
+        self.order = list(order)
+
+    def choose(self):
+        self.width = self.order.pop(0) if self.order else 1
+        return self.width
+
+
+@pytest.mark.parametrize("rollback", ["record", "replay"])
+def test_switching_widths_between_steps_is_lossless(small_vocab_model, rollback):
+    from qmtp.speculative import Greedy, decode_steps
+
+    for prompt in PROMPTS:
+        plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False).tokens
+        planner = CyclingPlanner([3, 5, 2, 4, 2, 5, 5, 3, 4])
+        steps = decode_steps(small_vocab_model, prompt, planner, Greedy(), small_vocab_model.mtp, "post", rollback,
+                             30, None, 0)
+        out = list(next(steps).emitted)
+        widths = []
+        for step, _ in steps:
+            widths.append(1 + len(step.drafts))
+            out.extend(step.emitted)
+        assert out[:30] == plain
+        assert widths[-1] == 1 and len(set(widths)) > 3
+
+
+def test_planner_chooses_the_most_tokens_per_second():
+    planner = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.2, 3: 1.4, 4: 2.0, 5: 3.0}, prior=0.9)
+    # before any draft, the prior: tau(2) = 2.71 in 1.4 is the best of 1.9/1.2, 2.71/1.4, 3.44/2, 4.1/3
+    assert planner.choose() == 3
+    for _ in range(40):  # a head that is always wrong: drafting stops paying, and plain decoding sticks
+        planner.observe(drafts=planner.width - 1, accepted=0)
+        planner.choose()
+    assert planner.width == 1 and planner.rates()[0] < 0.2
+    for _ in range(10):
+        planner.observe(drafts=0, accepted=0)
+    assert planner.choose() == 1
+
+
+def test_planner_waits_before_giving_up_drafting():
+    planner = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.5}, plain_after=16)
+    for _ in range(15):
+        assert planner.choose() == 2
+        planner.observe(drafts=1, accepted=0)
+    planner.observe(drafts=1, accepted=0)
+    assert planner.choose() == 1
