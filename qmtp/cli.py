@@ -34,6 +34,16 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _n_draft(text: str):
+    """--n-draft: a whole number, or "auto" (the width chosen per step)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """A count that must be 1 or more (repeats, prompts, tokens)."""
     try:
@@ -66,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
     chat.add_argument("--use-mtp", nargs="?", const=True, default=False, type=parse_bool, metavar="BOOL",
                       help="draft with the MTP head (--use-mtp, --use-mtp=true, --use-mtp=false)")
-    chat.add_argument("--n-draft", type=int, default=None,
-                      help="tokens per trunk pass counting the trunk's own (2 = one head draft); needs --use-mtp")
+    chat.add_argument("--n-draft", type=_n_draft, default=None, metavar="N|auto",
+                      help="tokens per trunk pass counting the trunk's own (2 = one head draft; auto: chosen per "
+                           "step); needs --use-mtp")
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
@@ -345,20 +356,28 @@ def _require_mlx_lm(what: str) -> None:
         raise UsageError(f"{what} compares with mlx-lm, which is not installed (pip install mlx-lm)")
 
 
-def chat(args) -> int:
-    from .model import load
-    from .speculative import MAX_N_DRAFT, generate
-
-    # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
+def _check_n_draft(args, most: int) -> None:
     if args.n_draft is not None and args.n_draft > 1 and not args.use_mtp:
         raise UsageError(f"--n-draft {args.n_draft} drafts with the MTP head, which needs --use-mtp; add --use-mtp "
                          f"(or leave --n-draft out for plain decoding)")
     if args.n_draft is None:
         args.n_draft = 2 if args.use_mtp else 1
-    if not 1 <= args.n_draft <= MAX_N_DRAFT:
-        raise UsageError(f"--n-draft {args.n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
+    if not 1 <= args.n_draft <= most:
+        raise UsageError(f"--n-draft {args.n_draft} is out of range: use 1 (plain decoding) to {most}, or auto")
     if args.use_mtp and args.n_draft < 2:
         raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
+
+
+def chat(args) -> int:
+    from .model import load
+    from .speculative import MAX_N_DRAFT, generate
+
+    # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
+    if args.n_draft == "auto":
+        if not args.use_mtp:
+            raise UsageError("--n-draft auto drafts with the MTP head, which needs --use-mtp")
+    else:
+        _check_n_draft(args, MAX_N_DRAFT)
     if args.prompt is not None and not args.prompt:
         raise UsageError("the prompt is empty: give at least one token of text")
     n_draft = args.n_draft if args.use_mtp else 1
@@ -374,7 +393,7 @@ def chat(args) -> int:
         print(prompt + g.text, flush=True)
         s = g.stats
         line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"
-        if n_draft > 1:
+        if n_draft != 1:
             # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
             per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
             line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
