@@ -271,6 +271,40 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # bytes term dominates and the union of experts takes most of the gain back, as the previous section
 # predicts: the same equation with a different term in charge.
 #
+# ## Choosing the width as you go
+#
+# The best `n_draft` depends on the head's acceptance, which depends on the text, and on what a wider pass
+# costs, which depends on the model and the machine. `n_draft="auto"` (`qmtp.adaptive.DraftPlanner`) estimates
+# both while it decodes: the acceptance at each draft position from the drafts proposed and kept so far, and
+# the cost of a step at each width by timing every width's compiled step once per model, pipelined as the
+# decoding loop runs it. Each step then takes the width with the most expected tokens per second,
+# $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the section on speedup; it switches only for a gain
+# of more than a few percent, and falls back to plain decoding for good when drafting stops paying. It ran in
+# the same rounds as the fixed widths above:
+
+# %%
+auto = report["auto"]
+assert auto["same_tokens_as_plain"]
+display(Markdown(inventory.markdown_table(
+    [{"width": n, "share of steps": share} for n, share in auto["width_share"].items()],
+    ["width", "share of steps"], {"share of steps": "{:.0%}"})))
+glue("auto_tps", auto["tokens_per_second"], display=False)
+glue("auto_vs_plain", auto["speedup_vs_plain"], display=False)
+glue("auto_vs_best", auto["over_best_fixed"], display=False)
+glue("auto_best_n", auto["best_fixed_n_draft"], display=False)
+glue("auto_tokens_per_pass", auto["tokens_per_trunk_pass"], display=False)
+glue("auto_calibration_ms", auto["calibration_seconds"] * 1e3, display=False)
+glue("auto_verdict", "within 5% of the best fixed width" if auto["over_best_fixed"] >= 0.95 else
+     "more than 5% short of the best fixed width: on this machine its timings or its acceptance estimates "
+     "led it to a width that was not the best in these rounds", display=False)
+
+# %% [markdown]
+# With `auto`, decoding ran at {glue:text}`auto_tps:.0f` tokens/s, {glue:text}`auto_vs_plain:.2f`x plain
+# decoding and {glue:text}`auto_vs_best:.2f`x the best fixed width (`n_draft` = {glue:text}`auto_best_n`),
+# {glue:text}`auto_tokens_per_pass:.2f` tokens per pass: {glue:text}`auto_verdict`. Timing the widths cost
+# {glue:text}`auto_calibration_ms:.0f` ms once, before the first generation (not counted in its tokens per
+# second). The fixed widths' speeds are those of the same rounds, so part of any gap is the machine's noise.
+#
 # ## qmtp against mlx-lm
 #
 # Plain greedy decoding of the same checkpoint by qmtp and by mlx-lm's `generate_step`, both computing in
