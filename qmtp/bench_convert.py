@@ -75,6 +75,23 @@ def write_source(directory, config) -> Path:
     return directory
 
 
+def write_preset_source(directory, preset: str) -> Path:
+    """`synthetic --preset PRESET --sparse` into `directory`, kept and reused when it is already there."""
+    from .config import ModelConfig
+    from .errors import QmtpError
+    from .synthetic import PRESETS, write_preset
+
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        try:
+            if ModelConfig.from_file(directory) == PRESETS[preset]["config"]:
+                return directory
+        except QmtpError:
+            pass
+        raise UsageError(f"{directory}: holds another checkpoint; remove it or give another --workdir")
+    return write_preset(directory, preset, sparse=True, progress=False)
+
+
 def _in_fresh_process(function, *args):
     """Run `function(*args)` in a spawned interpreter. Peak memory is inherited across fork and exec, so
     the process that launches the timed commands must stay small: writing the source in it would raise
@@ -125,12 +142,18 @@ def _rss_bytes(maxrss: int) -> int:
 
 
 def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, rounds: int = 2, config=None,
-        progress=None) -> dict:
+        progress=None, preset: str | None = None) -> dict:
     """Write (or reuse) the source in `workdir` and time the three tools on it, `rounds` times each.
 
     Without `workdir` everything goes into a temporary folder that is removed at the end. `config` replaces
-    the synthetic source's config (tests use a small one).
+    the synthetic source's config (tests use a small one). `preset` (a `synthetic.PRESETS` name) makes the
+    source that preset with sparse experts instead: the release's full size (cp then copies only the data
+    blocks, since GNU cp keeps holes holes; qmtp and mlx-lm read every byte).
     """
+    from .synthetic import PRESETS
+
+    if preset is not None and preset not in PRESETS:
+        raise UsageError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     if rounds < 1:
         raise UsageError(f"--rounds {rounds}: give 1 or more")
     if not gb > 0:
@@ -139,15 +162,25 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
     owned = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="qmtp-bench-convert-") if owned else workdir).expanduser()
     try:
-        config = config or source_config(gb)
+        config = PRESETS[preset]["config"] if preset else (config or source_config(gb))
         workdir.mkdir(parents=True, exist_ok=True)
-        source_dir = workdir / "source"
+        source_dir = workdir / (f"source-{preset}" if preset else "source")
         progress(f"source: synthetic bf16 checkpoint, released layout, {config.num_experts} experts x "
-                 f"{config.num_hidden_layers} layers + MTP head, in {source_dir} (written on first use) ...")
-        source = _in_fresh_process(write_source, source_dir, config)
+                 f"{config.num_hidden_layers} layers + MTP head{', sparse' if preset else ''}, in {source_dir} "
+                 f"(written on first use) ...")
+        if preset:
+            source = _in_fresh_process(write_preset_source, source_dir, preset)
+        else:
+            source = _in_fresh_process(write_source, source_dir, config)
         source_bytes = sum(f.stat().st_size for f in source.iterdir() if f.is_file())
         free = shutil.disk_usage(workdir).free
-        if free < 1.2 * source_bytes:
+        if preset:  # the largest output: qmtp's, which keeps the head
+            from .sizes import sizes
+
+            needed = 1.1 * sizes(config, bits=bits, group_size=group_size).total_bytes
+            if free < needed:
+                raise UsageError(f"{workdir}: {free / 1e9:.1f} GB free, the {bits}-bit output needs {needed / 1e9:.1f} GB")
+        elif free < 1.2 * source_bytes:
             raise UsageError(f"{workdir}: {free / 1e9:.1f} GB free, the copy alone needs {source_bytes / 1e9:.1f} GB")
         for file in source.iterdir():  # untimed: every tool then reads the source from the page cache
             with open(file, "rb") as f:

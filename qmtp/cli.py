@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--workdir", type=Path, metavar="DIR",
                       help="keep the synthetic source here and reuse it (default: a temporary folder, removed)")
     conv.add_argument("--gb", type=float, default=4.0, help="size of the bf16 source, at least (default 4)")
+    conv.add_argument("--preset", choices=("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reduced"),
+                      help="instead of --gb: this synthetic preset, experts sparse (full size: 71 GB apparent)")
     conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 4)")
     conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     conv.add_argument("--rounds", type=int, default=2, help="rounds of the three commands (default 2)")
@@ -288,7 +290,7 @@ def bench(args) -> int:
 
         _require_mlx_lm("bench convert")
         report = bench_convert.run(args.workdir, args.gb, args.bits, args.group_size, args.rounds,
-                                   progress=lambda line: print(line, flush=True))
+                                   progress=lambda line: print(line, flush=True), preset=args.preset)
         print(bench_convert.table(report))
         benchmarks.write_json(report, args.json)
         return 0

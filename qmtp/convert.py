@@ -88,6 +88,7 @@ GROUP_SIZES = (32, 64, 128)
 ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
 QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
 QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
+CACHE_FRACTION = 4  # of the largest tensor, kept by MLX for reuse while converting
 MAX_CACHE_BYTES = 2 * 1024**3  # at most this much freed memory kept by MLX for reuse while converting
 
 TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
@@ -270,9 +271,10 @@ def _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, pl
         lock.make_parents()
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.qmtp-partial-", dir=dst.parent))
         os.chmod(tmp, 0o777 & ~_umask())
-        # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves.
+        # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves; but the
+        # cache counts in the peak, which should stay within 1.5x the largest tensor (issue 15).
         largest = max(info.nbytes for info in ckpt.infos.values())
-        cache_limit = min(4 * largest, MAX_CACHE_BYTES)
+        cache_limit = min(largest // CACHE_FRACTION, MAX_CACHE_BYTES)
         files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=cache_limit)
         config_out = dict(raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
