@@ -8,7 +8,10 @@ blocks of rows, one block per stream, it runs on that many cores at once, and co
 gives exactly the logits of the whole (each row is the same dot products, in the same order).
 
 Only on the CPU (an accelerator runs one operation on all of its cores already) and only for weights
-large enough that the gain exceeds the cost of a few more operations (`MIN_WEIGHTS`).
+large enough that the gain exceeds the cost of a few more operations (`MIN_WEIGHTS`). A float weight is not
+split when MLX multiplies with OpenBLAS (`qmtp.blas`): OpenBLAS picks its kernels by the shape of the
+product, so a block's dot products are rounded differently from the whole's, and the logits would no
+longer be exactly the same (MLX's own quantized kernels and the reference BLAS have no such dependence).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from . import blas
 
 MIN_WEIGHTS = 1 << 24  # below this many weights (e.g. the tiny model's 1024 x 64) one core is quicker
 MAX_STREAMS = 4
@@ -49,6 +54,8 @@ def split_lm_head(linear: nn.Module, parts: int | None = None) -> RowSplitLinear
     """A RowSplitLinear for `linear` when splitting pays (CPU, several cores, a wide weight), else None.
     `QMTP_CORES=1` turns it off; `QMTP_CORES=N` sets the number of blocks."""
     if mx.default_device() != mx.cpu or "bias" in linear:
+        return None
+    if not isinstance(linear, nn.QuantizedLinear) and blas.loaded:
         return None
     if parts is None:
         parts = int(os.environ.get("QMTP_CORES", 0)) or min(MAX_STREAMS, os.cpu_count() or 1)
