@@ -7,7 +7,8 @@ tau(k) / c(k + 1). Neither is known in advance:
 
 - the acceptance rates a_i are counted as the generation goes (drafts proposed and accepted at each position).
   A deep position is proposed only when the ones before it were accepted, so its count is small; each rate
-  is shrunk towards the rate of the position before it, and the first towards a prior;
+  is shrunk towards a prior: the rate the previous generation with the same drafter ended with, or, for the
+  first, the rate of the position before it (and `prior` at the first position);
 - the cost of a step is a property of the model and the machine, not of the text: each width's compiled
   step is timed once per model, a few steps in a row from the prompt's state and pipelined as the decoding
   loop pipelines them (steps are pure functions of arrays, so running them and throwing the results away
@@ -36,6 +37,7 @@ class DraftPlanner:
 
     costs: dict[int, float]  # width -> seconds of one step at that width
     prior: float = 0.7  # acceptance assumed at the first position before any draft is seen
+    priors: list[float] | None = None  # per position: rates carried over from an earlier generation
     weight: float = 4.0  # how many drafts the prior (or the position before) counts for
     margin: float = 0.03  # a new width must promise this much more (relative) than the current one
     plain_after: int = 16  # steps observed before the planner may give up drafting
@@ -52,8 +54,9 @@ class DraftPlanner:
     def rates(self) -> list[float]:
         """Estimated acceptance per draft position: counts shrunk towards the position before."""
         out, before = [], self.prior
-        for proposed, accepted in zip(self.proposed, self.accepted):
-            before = (accepted + self.weight * before) / (proposed + self.weight)
+        for i, (proposed, accepted) in enumerate(zip(self.proposed, self.accepted)):
+            guess = self.priors[i] if self.priors and i < len(self.priors) else before
+            before = (accepted + self.weight * guess) / (proposed + self.weight)
             out.append(before)
         return out
 

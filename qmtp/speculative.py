@@ -256,10 +256,14 @@ def generate(
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
     recorder = ExpertRecorder() if track_experts else None
     strategy = Greedy() if temperature == 0 else Rejection(temperature)
+    planner = None
     if n_draft == "auto":
         started = time.perf_counter()
-        n_draft = DraftPlanner(step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens))
+        costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens)
         stats.calibration_seconds = time.perf_counter() - started
+        # what the last generation with this drafter learned of its acceptance is where this one starts
+        carried = model.__dict__.setdefault("_draft_rates", {})
+        n_draft = planner = DraftPlanner(costs, priors=carried.get((id(drafter), strategy.key)))
 
     out: list[int] = []
     started = time.perf_counter()
@@ -278,6 +282,8 @@ def generate(
             recorder.record(experts)
         out.extend(step.emitted)
     stats.decode_seconds = time.perf_counter() - started
+    if planner is not None:
+        carried[(id(drafter), strategy.key)] = planner.rates()
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()

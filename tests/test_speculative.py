@@ -219,3 +219,14 @@ def test_planner_waits_before_giving_up_drafting():
         planner.observe(drafts=1, accepted=0)
     planner.observe(drafts=1, accepted=0)
     assert planner.choose() == 1
+
+
+def test_planner_starts_from_the_rates_of_the_last_generation(small_vocab_model):
+    costs = {1: 1.0, 2: 1.1, 3: 1.2}
+    assert adaptive.DraftPlanner(costs, priors=[0.2, 0.1]).rates() == pytest.approx([0.2, 0.1])
+    assert adaptive.DraftPlanner(costs, priors=[0.95, 0.9]).choose() == 3
+    assert adaptive.DraftPlanner(costs, priors=[0.05, 0.05]).choose() == 2  # plain only after plain_after steps
+    small_vocab_model.__dict__.pop("_draft_rates", None)
+    qmtp.generate(small_vocab_model, [1, 2], max_tokens=12, n_draft="auto")
+    (rates,) = small_vocab_model.__dict__["_draft_rates"].values()
+    assert len(rates) == max(adaptive.WIDTHS) - 1 and all(0 < r < 1 for r in rates)
