@@ -240,7 +240,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     for flag, value in (("head", head), ("tokenizer", tokenizer)):
         if not isinstance(value, bool):
             raise UsageError(f"{flag}={value!r} must be True or False")
-    dtype = dtype or default_dtype()
+    requested_dtype, dtype = dtype, dtype or default_dtype()
     config = ModelConfig.from_file(path)
     ckpt = Checkpoint(path)
     plan = layout.plan(ckpt, config)
@@ -277,7 +277,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     model = Model(config, head=with_head, head_routed_experts=head_routed)
     quantize_layers(model, widths)
     # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
-    memory.check_fits(loaded_bytes(model, dtype), f"{path}: loading the model")
+    dtype = _dtype_that_fits(model, dtype, chosen=requested_dtype is None, path=path)
     reader = layout.Reader(ckpt, config)
     wanted = set(_flat_names(model))
     weights = []
@@ -311,6 +311,20 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         model.tokenizer.check_fits(config.vocab_size, path)
     return model
 
+
+
+def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
+    """`dtype` if the weights fit in it; else, when qmtp chose float32 (the CPU default) and the user did not,
+    bfloat16 with a warning (a quantized full-size model fits a 24 GB machine only so); else a one-line refusal."""
+    try:
+        memory.check_fits(loaded_bytes(model, dtype), f"{path}: loading the model in {dtype}")
+        return dtype
+    except memory.NotEnoughMemoryError:
+        if not chosen or dtype == mx.bfloat16:
+            raise
+    memory.check_fits(loaded_bytes(model, mx.bfloat16), f"{path}: loading the model (even in bfloat16)")
+    warnings.warn(f"{path}: the model does not fit in memory in {dtype}; loading it in bfloat16", stacklevel=3)
+    return mx.bfloat16
 
 
 def loaded_bytes(model: Model, dtype) -> int:
