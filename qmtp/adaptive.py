@@ -60,16 +60,17 @@ class DraftPlanner:
             out.append(before)
         return out
 
-    def tokens_per_second(self, width: int) -> float:
-        return expected_tokens_per_pass(self.rates()[: width - 1]) / self.costs[width]
+    def tokens_per_second(self, width: int, rates: list[float] | None = None) -> float:
+        rates = self.rates() if rates is None else rates
+        return expected_tokens_per_pass(rates[: width - 1]) / self.costs[width]
 
     def choose(self) -> int:
         if self.width == 1:
             return 1
-        widths = [n for n in self.costs if n > 1 or self.steps >= self.plain_after]
-        best = max(widths, key=self.tokens_per_second)
-        if self.width and best != self.width and (
-                self.tokens_per_second(best) < (1 + self.margin) * self.tokens_per_second(self.width)):
+        rates = self.rates()  # once per step: the decoding loop calls this between trunk passes
+        speed = {n: self.tokens_per_second(n, rates) for n in self.costs if n > 1 or self.steps >= self.plain_after}
+        best = max(speed, key=speed.get)
+        if self.width and best != self.width and speed[best] < (1 + self.margin) * speed[self.width]:
             best = self.width  # not worth a switch (and a new trace) for what the noise could explain
         self.width = best
         return best

@@ -222,8 +222,6 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     results = []
     for n in n_drafts:
         first = [g.stats for g in outputs[("qmtp", n)]]
-        drafted = np.sum([s.drafted for s in first], axis=0) if n > 1 else np.zeros(0)
-        accepted = np.sum([s.accepted for s in first], axis=0) if n > 1 else np.zeros(0)
         passes = [(t, e) for s in first for t, e in zip(s.tokens_per_pass, s.experts_per_pass)]
         experts = np.array([e for _, e in passes], dtype=float)  # [passes, layers]
         tokens_in_pass = [t for t, _ in passes]
@@ -239,7 +237,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             "tokens_per_second": statistics.median(speeds[("qmtp", n)]),
             "tokens_per_second_min": min(speeds[("qmtp", n)]),
             "tokens_per_second_max": max(speeds[("qmtp", n)]),
-            "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, drafted)],
+            "acceptance_per_position": _acceptance([s.drafted for s in first], [s.accepted for s in first]),
             "tokens_per_trunk_pass": tokens_per_pass,
             "same_tokens_as_plain": [g.tokens for g in outputs[("qmtp", n)]] == plain_tokens,
             "head_share": (n - 1) * head / ((n - 1) * head + costs[n]["verify"]),
@@ -277,6 +275,14 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     return report
 
 
+def _acceptance(proposed: list[list[int]], accepted: list[list[int]]) -> list[float | None]:
+    """Per draft position over all runs: accepted over proposed (None where nothing was proposed)."""
+    if not proposed or not len(proposed[0]):
+        return []
+    proposed, accepted = np.sum(proposed, axis=0), np.sum(accepted, axis=0)
+    return [float(a / d) if d else None for a, d in zip(accepted, proposed)]
+
+
 def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tokens: list, timer, repeats: int) -> dict:
     """n_draft="auto" beside the fixed widths of the same rounds: its speed over plain and over the best fixed
     width, how often it chose each width, and its acceptance."""
@@ -285,15 +291,13 @@ def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tok
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
     tps = statistics.median(speeds)
     widths = [w for s in stats for w in s.widths]
-    drafted = np.sum([s.drafted for s in stats], axis=0)
-    accepted = np.sum([s.accepted for s in stats], axis=0)
     passes = len(widths)
     return {"tokens_per_second": tps, "tokens_per_second_min": min(speeds), "tokens_per_second_max": max(speeds),
             "speedup_vs_plain": tps / plain if plain else None,
             "best_fixed_n_draft": best["n_draft"], "over_best_fixed": tps / best["tokens_per_second"],
             "width_share": {n: widths.count(n) / passes for n in sorted(set(widths))},
             "tokens_per_trunk_pass": sum(len(st.emitted) for s in stats for st in s.steps) / passes,
-            "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, drafted)],
+            "acceptance_per_position": _acceptance([s.drafted for s in stats], [s.accepted for s in stats]),
             "same_tokens_as_plain": [g.tokens for g in runs] == plain_tokens,
             "calibration_seconds": max(s.calibration_seconds for s in stats),
             "phase_seconds_per_pass": {name: t / (repeats * passes) for name, t in timer.seconds.items()}}
@@ -306,12 +310,10 @@ def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list
     rows = []
     for n in n_drafts:
         runs = outputs[("mlx-vlm", n)]
-        proposed = np.sum([g["proposed"] for g in runs], axis=0) if n > 1 else np.zeros(0)
-        accepted = np.sum([g["accepted"] for g in runs], axis=0) if n > 1 else np.zeros(0)
         tps = statistics.median(speeds[("mlx-vlm", n)])
         rows.append({"n_draft": n, "tokens_per_second": tps, "tokens_per_second_min": min(speeds[("mlx-vlm", n)]),
                      "tokens_per_second_max": max(speeds[("mlx-vlm", n)]),
-                     "acceptance_per_position": [float(a / d) if d else None for a, d in zip(accepted, proposed)],
+                     "acceptance_per_position": _acceptance([g["proposed"] for g in runs], [g["accepted"] for g in runs]),
                      "same_tokens_as_own_plain": [g["tokens"] for g in runs] == plain,
                      "same_tokens_as_qmtp": [g["tokens"] for g in runs] == plain_tokens,
                      "qmtp_over_peer": ours[n] / tps})

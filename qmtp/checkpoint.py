@@ -189,11 +189,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
                     f"{path}: header claims {header_len} bytes but only {size - 8} follow the length field: truncated"
                 )
             raw = f.read(header_len)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
-    except OSError as err:
+    except OSError as err:  # open_regular has turned a missing file or a directory into one line already
         raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
