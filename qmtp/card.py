@@ -168,27 +168,18 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
             f"| {register} | {m['tokens']} | {_fmt(m['accuracy'])} | {_fmt(m['perplexity'], 2)} | {_fmt(m['head_accuracy'])} | "
             f"{_fmt(m['head_trunk_agreement'])} | {_fmt(m['acceptance_n_draft_2']['rate'])} |"
         )
-    lines += [
-        "",
-        "## Acceptance by draft length (greedy, all registers)",
-        "",
-        "| n_draft | acceptance per draft position | overall | tokens per trunk pass |",
-        "|---|---|---|---|",
-    ]
-    for n, a in measurements["acceptance"].items():
-        per = ", ".join(_fmt(x, 2) for x in a["per_position"])
-        lines.append(f"| {n} | {per} | {_fmt(a['rate'])} | {_fmt(a['tokens_per_trunk_pass'], 2)} |")
-    if "acceptance_previous_head" in measurements:
-        lines += [
-            "",
-            "The same prompts with the head before its chained training (`qmtp.evaluate.previous_head`):",
-            "",
-            "| n_draft | acceptance per draft position | overall | tokens per trunk pass |",
-            "|---|---|---|---|",
-        ]
-        for n, a in measurements["acceptance_previous_head"].items():
+    def acceptance_table(by_n: dict) -> list[str]:
+        rows = ["| n_draft | acceptance per draft position | overall | tokens per trunk pass |", "|---|---|---|---|"]
+        for n, a in by_n.items():
             per = ", ".join(_fmt(x, 2) for x in a["per_position"])
-            lines.append(f"| {n} | {per} | {_fmt(a['rate'])} | {_fmt(a['tokens_per_trunk_pass'], 2)} |")
+            rows.append(f"| {n} | {per} | {_fmt(a['rate'])} | {_fmt(a['tokens_per_trunk_pass'], 2)} |")
+        return rows
+
+    lines += ["", "## Acceptance by draft length (greedy, all registers)", ""]
+    lines += acceptance_table(measurements["acceptance"])
+    if "acceptance_previous_head" in measurements:
+        lines += ["", "The same prompts with the head before its chained training (`qmtp.evaluate.previous_head`):", ""]
+        lines += acceptance_table(measurements["acceptance_previous_head"])
     lines += ["", "## Greedy continuations", ""]
     for c in measurements["continuations"]:
         lines += ["```text", c["prompt"] + c["text"], "```", ""]
