@@ -12,7 +12,12 @@ tau(k) / c(k + 1). Neither is known in advance:
 - the cost of a step is a property of the model and the machine, not of the text: each width's compiled
   step is timed once per model, a few steps in a row from the prompt's state and pipelined as the decoding
   loop pipelines them (steps are pure functions of arrays, so running them and throwing the results away
-  changes nothing), the widths interleaved, the median kept.
+  changes nothing), the widths interleaved, the median kept. A shared machine is not as fast from one second
+  to the next (here by a quarter), so those costs are corrected by the steps the generation runs: each
+  width's calibrated cost is scaled by how long its recent steps took against it, shrunk towards how long
+  all recent steps took against theirs (the machine's present pace). A width is only timed if it is chosen,
+  so one whose calibration came out too slow would never be: widths with few timed steps are credited with
+  a little optimism (an upper confidence bound, as in a bandit), enough to try the ones near the best.
 
 Plain decoding (width 1) is the fallback when drafting does not pay: it stops the head, so once chosen it
 stays chosen (the head's cache would miss the positions decoded without it).
@@ -20,8 +25,10 @@ stays chosen (the head's cache would miss the positions decoded without it).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -41,15 +48,26 @@ class DraftPlanner:
     weight: float = 4.0  # how many drafts the prior (or the position before) counts for
     margin: float = 0.03  # a new width must promise this much more (relative) than the current one
     plain_after: int = 16  # steps observed before the planner may give up drafting
+    window: int = 16  # recent steps kept to correct the calibrated costs
+    explore: float = 0.1  # optimism for a width with few timed steps, so that a near-best one gets tried
     width: int = 0  # the width last chosen (0: none yet)
     steps: int = 0
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    paces: dict = field(default_factory=dict)  # width -> its recent steps' seconds over its calibrated cost
 
     def __post_init__(self):
         depth = max(self.costs) - 1
         self.proposed = self.proposed or [0] * depth
         self.accepted = self.accepted or [0] * depth
+        self.recent = deque(maxlen=self.window)  # the same ratio for the last steps of any width
+
+    def cost(self, width: int) -> float:
+        """Seconds of a step at `width` now: its calibrated cost scaled by its own recent pace, shrunk (as
+        the rates are) towards the pace of all recent steps."""
+        mine = self.paces.get(width, ())
+        pace = statistics.median(self.recent) if self.recent else 1.0
+        return self.costs[width] * (sum(mine) + self.weight * pace) / (len(mine) + self.weight)
 
     def rates(self) -> list[float]:
         """Estimated acceptance per draft position: counts shrunk towards the position before."""
@@ -62,22 +80,34 @@ class DraftPlanner:
 
     def tokens_per_second(self, width: int, rates: list[float] | None = None) -> float:
         rates = self.rates() if rates is None else rates
-        return expected_tokens_per_pass(rates[: width - 1]) / self.costs[width]
+        return expected_tokens_per_pass(rates[: width - 1]) / self.cost(width)
 
     def choose(self) -> int:
         if self.width == 1:
             return 1
         rates = self.rates()  # once per step: the decoding loop calls this between trunk passes
-        speed = {n: self.tokens_per_second(n, rates) for n in self.costs if n > 1 or self.steps >= self.plain_after}
+        speed = {n: self.tokens_per_second(n, rates) * self._optimism(n)
+                 for n in self.costs if n > 1 or self.steps >= self.plain_after}
         best = max(speed, key=speed.get)
         if self.width and best != self.width and speed[best] < (1 + self.margin) * speed[self.width]:
             best = self.width  # not worth a switch (and a new trace) for what the noise could explain
         self.width = best
         return best
 
-    def observe(self, drafts: int, accepted: int) -> None:
-        """One step: `drafts` proposed, the first `accepted` of them kept."""
+    def _optimism(self, width: int) -> float:
+        """1 + explore / sqrt(1 + timed steps): a width whose calibrated cost may be off by the noise of a
+        few timed steps is credited with that much, until its own steps have been timed. Not for plain
+        decoding: it cannot be tried and left (it stops the head)."""
+        return 1.0 if width == 1 else 1 + self.explore / math.sqrt(1 + len(self.paces.get(width, ())))
+
+    def observe(self, drafts: int, accepted: int, seconds: float | None = None) -> None:
+        """One step: `drafts` proposed, the first `accepted` of them kept, in `seconds` (None: not timed, e.g.
+        a step the host could not queue ahead, whose time is not a step's cost)."""
         self.steps += 1
+        if seconds is not None:
+            pace = seconds / self.costs[drafts + 1]
+            self.paces.setdefault(drafts + 1, deque(maxlen=self.window)).append(pace)
+            self.recent.append(pace)
         for i in range(min(accepted + 1, drafts)):
             self.proposed[i] += 1
         for i in range(accepted):
@@ -85,22 +115,25 @@ class DraftPlanner:
 
 
 def time_steps(runs: dict, inputs: dict, rounds: int = 3, chain: int = 4) -> dict[int, float]:
-    """Seconds of one step at each width as the decoding loop runs them: `chain` steps of `runs[n]` one after
-    the other from `inputs[n]` = (state, last, key), each queued before the host waits for the one before
-    (so what the loop overlaps is overlapped here too). Per width the median over `rounds`, the widths
-    interleaved round by round so that a slow spell of the machine does not fall on one of them."""
+    """Seconds of one step at each width as the decoding loop runs them: steps of `runs[n]` one after the
+    other from `inputs[n]` = (state, last, key), each queued before the host waits for the one before (so
+    what the loop overlaps is overlapped here too), timed from the first one's tokens to the tokens of
+    `chain` more: the interval between two reads, which is what the loop's planner times. Per width the
+    median over `rounds`, the widths interleaved round by round so that a slow spell of the machine does not
+    fall on one of them."""
     for n, run in runs.items():  # the first calls of each trace and compile it
         mx.eval(run(*inputs[n])[2])
     times = {n: [] for n in runs}
     for _ in range(rounds):
         for n, run in runs.items():
-            started = time.perf_counter()
             out = run(*inputs[n])
             mx.async_eval(out[2])
-            for _ in range(chain - 1):
+            for i in range(chain):
                 queued = run(out[0], out[1], out[4])
                 mx.async_eval(queued[2])
                 out[2].tolist()
+                if i == 0:
+                    started = time.perf_counter()
                 out = queued
             out[2].tolist()
             times[n].append((time.perf_counter() - started) / chain)

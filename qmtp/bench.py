@@ -168,8 +168,15 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+# The decoding loop with what makes it lean taken away, one thing then both (`bench.mtp`'s ablation): the
+# step's graph built op by op instead of replayed from its compiled trace, and each step's tokens read before
+# the next step is queued.
+ABLATIONS = {"not queued ahead": dict(queue_ahead=False), "eager, not queued ahead": dict(compiled=False,
+                                                                                         queue_ahead=False)}
+
+
 def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3,
-        peer=None, auto: bool = True) -> dict:
+        peer=None, auto: bool = True, ablate=()) -> dict:
     """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft.
 
     Speed is tokens after the first over the time from the first token to the last, per round over all
@@ -180,37 +187,50 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     would give if a verify pass cost what a plain pass costs. "cost_model" fits `throughput.Machine` to the
     verify passes. `peer`: a `qmtp.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
     n_draft="auto" in the same rounds too, reported against the best fixed n_draft ("auto" in the report).
+    `ablate`: n_drafts at which the loop also runs without queueing ahead and without compiling (ABLATIONS),
+    in the same rounds ("ablation": tok/s, and over the lean loop).
     """
+    from .errors import UsageError
     from .speculative import PhaseTimer, generate
 
+    if not set(ablate) <= set(n_drafts):
+        raise UsageError(f"ablate={sorted(ablate)}: ablate only n_drafts the bench runs ({min(n_drafts)}..{max(n_drafts)})")
     engines = {("qmtp", n): (lambda p, n=n, t=None: generate(model, p, max_tokens=max_tokens, n_draft=n,
                                                               stop_at_eos=False, timer=t))
                for n in n_drafts}
     if auto:
         engines[("qmtp", "auto")] = lambda p, t=None: generate(model, p, max_tokens=max_tokens, n_draft="auto",
                                                                 stop_at_eos=False, timer=t)
+    for variant, settings in ABLATIONS.items():
+        engines.update({(f"qmtp {variant}", n): (lambda p, n=n, t=None, s=settings: generate(
+            model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, **s)) for n in ablate})
     if peer is not None:
         engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
     for run in engines.values():  # warm-up: the first passes of each shape trace and compile
         run(prompts[0])
     speeds = {name: [] for name in engines}
     outputs, timers = {}, {n: PhaseTimer() for n in [*n_drafts, "auto"]}
+    names = list(engines)
     for r in range(repeats):
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            seconds = tokens = 0.0
-            results = []
-            for p in prompts:
-                if name[0] == "qmtp":
-                    stats = engines[name](p, t=timers[name[1]])
-                    seconds += stats.stats.decode_seconds
-                    tokens += stats.stats.generated - 1
+        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        results = {name: [] for name in names}
+        # Every prompt goes through every engine before the next prompt, in an order that rotates from prompt
+        # to prompt: a slow spell of the machine (they last seconds here) then falls on all engines alike.
+        for i, p in enumerate(prompts):
+            shift = (i + r * len(prompts)) % len(names)
+            for name in names[shift:] + names[:shift]:
+                if name[0].startswith("qmtp"):
+                    out = engines[name](p, t=timers[name[1]] if name[0] == "qmtp" else None)
+                    seconds[name] += out.stats.decode_seconds
+                    tokens[name] += out.stats.generated - 1
                 else:
-                    stats = engines[name](p)
-                    seconds += stats["seconds"]
-                    tokens += len(stats["tokens"]) - 1
-                results.append(stats)
-            speeds[name].append(tokens / seconds)
-            outputs.setdefault(name, results)  # greedy: every round makes the same tokens
+                    out = engines[name](p)
+                    seconds[name] += out["seconds"]
+                    tokens[name] += len(out["tokens"]) - 1
+                results[name].append(out)
+        for name in names:
+            speeds[name].append(tokens[name] / seconds[name])
+            outputs.setdefault(name, results[name])  # greedy: every round makes the same tokens
     config = model.config
     E, k = config.num_experts, config.num_experts_per_tok
     in_memory = throughput.sizes_of(model)
@@ -270,6 +290,13 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     if auto:
         report["auto"] = _auto_report(outputs[("qmtp", "auto")], speeds[("qmtp", "auto")], results, plain_tokens,
                                       timers["auto"], repeats)
+    if ablate:
+        report["ablation"] = [{"loop": variant, "n_draft": n, "tokens_per_second": statistics.median(speeds[(f"qmtp {variant}", n)]),
+                               "over_lean": statistics.median(a / b for a, b in zip(speeds[(f"qmtp {variant}", n)],
+                                                                                    speeds[("qmtp", n)])),
+                               "same_tokens_as_lean": [g.tokens for g in outputs[(f"qmtp {variant}", n)]]
+                               == [g.tokens for g in outputs[("qmtp", n)]]}
+                              for variant in ABLATIONS for n in ablate]
     if peer is not None:
         report["peer"] = _peer_report(peer, outputs, speeds, n_drafts, plain_tokens, results)
     return report
@@ -397,6 +424,9 @@ def mtp_table(report: dict) -> str:
                      f"{auto['over_best_fixed']:.2f}x the best fixed (n_draft={auto['best_fixed_n_draft']}); "
                      f"{auto['tokens_per_trunk_pass']:.2f} tokens/pass; widths chosen {shares}; lossless "
                      f"{'yes' if auto['same_tokens_as_plain'] else 'NO'}")
+    for r in report.get("ablation", ()):
+        lines.append(f"loop {r['loop']}, n_draft={r['n_draft']}: {r['tokens_per_second']:.1f} tok/s, "
+                     f"{r['over_lean']:.2f}x the lean loop; same tokens {'yes' if r['same_tokens_as_lean'] else 'NO'}")
     peer = report.get("peer")
     if peer:
         lines.append(f"{peer['engine']} on the same checkpoint and prompts, interleaved in the same rounds:")

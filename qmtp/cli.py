@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--n-draft-max", type=positive_int, default=5)
     mtp.add_argument("--json", type=json_destination, help="also write the results here")
     mtp.add_argument("--peer", choices=("mlx-vlm",), help="also run this engine's own MTP decoding on the same checkpoint")
+    mtp.add_argument("--ablate", type=positive_int, nargs="+", default=(), metavar="N",
+                     help="also run the loop at these n_drafts without queueing ahead, and eagerly: what each buys")
     decode = benches.add_parser("decode", help="plain greedy decoding, qmtp against mlx-lm, interleaved in one run")
     decode.add_argument("model", nargs="?", help="checkpoint directory (default: $QMTP_MODEL, else the bundled tiny model)")
     decode.add_argument("--scaled", type=Path, metavar="DIR",
@@ -323,7 +325,7 @@ def bench(args) -> int:
     else:
         peer = _peer_engine(model.path) if args.peer else None
         report = benchmarks.mtp(model, prompts, args.max_tokens, tuple(range(1, args.n_draft_max + 1)), args.repeats,
-                                peer=peer)
+                                peer=peer, ablate=tuple(args.ablate))
         print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved repeats")
         print(benchmarks.mtp_table(report))
     benchmarks.write_json(report, args.json)

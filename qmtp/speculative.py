@@ -227,6 +227,8 @@ def generate(
     track_experts: bool = True,
     stop_at_eos: bool = True,
     timer: PhaseTimer | None = None,
+    compiled: bool = True,
+    queue_ahead: bool = True,
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids).
 
@@ -241,6 +243,9 @@ def generate(
         rollback: "record" keeps each position's linear-attention state during verification; "replay"
             runs the accepted tokens again from the state before the pass.
         timer: a `PhaseTimer` to add the decoding loop's phases to (profiling).
+        compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a
+            trace), or reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s
+            ablation). The tokens are the same.
     """
     prompt_tokens = _prompt_tokens(model, prompt)
     _check_types(max_tokens, n_draft, temperature)
@@ -261,14 +266,18 @@ def generate(
         started = time.perf_counter()
         costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens)
         stats.calibration_seconds = time.perf_counter() - started
-        # what the last generation with this drafter learned of its acceptance is where this one starts
+        # what the last generation with this drafter learned of its acceptance and of the steps' times is
+        # where this one starts
         carried = model.__dict__.setdefault("_draft_rates", {})
-        n_draft = planner = DraftPlanner(costs, priors=carried.get((id(drafter), strategy.key)))
+        paces = model.__dict__.setdefault("_step_paces", {})
+        learned = (id(drafter), strategy.key, hidden, rollback)
+        n_draft = planner = DraftPlanner(costs, priors=carried.get((id(drafter), strategy.key)),
+                                         paces={n: p.copy() for n, p in paces.get(learned, {}).items()})
 
     out: list[int] = []
     started = time.perf_counter()
     steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
-                         timer or _untimed)
+                         timer or _untimed, compiled, queue_ahead)
     out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
     started = time.perf_counter()
@@ -284,6 +293,7 @@ def generate(
     stats.decode_seconds = time.perf_counter() - started
     if planner is not None:
         carried[(id(drafter), strategy.key)] = planner.rates()
+        paces[learned] = planner.paces
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()
@@ -296,7 +306,7 @@ def generate(
 
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
-                 max_tokens: int, eos, seed: int, timer=_untimed):
+                 max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True):
     """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
     for each pass, until `max_tokens` tokens or `eos` are out. `n_draft`: a width, or a `DraftPlanner` that
     chooses each step's.
@@ -322,25 +332,29 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
         with timer("build"):
-            step = _compiled_step(model, head, n - 1, strategy, hidden, record)(state, last, key)
+            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled)(state, last, key)
             mx.async_eval(step[2])
         return n, step
 
-    queued = queue(state, last, key)
+    queued, queued_ahead, read = queue(state, last, key), False, None
     while True:
         before = state
         n, (state, last, report, experts, key) = queued
-        queued = None
-        if (record or n == 1) and produced + n < max_tokens:
-            queued = queue(state, last, key)  # this pass cannot end the generation: queue the next one now
+        # A pass queued while the one before ran took, from the host's view, the time between their reads
+        # (the loop's steady state, which the planner's costs correct towards); any other pass did not.
+        ahead, queued, queued_ahead = queued_ahead, None, False
+        if queue_ahead and (record or n == 1) and produced + n < max_tokens:
+            queued, queued_ahead = queue(state, last, key), True  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
+        now = time.perf_counter()
+        seconds, read = (now - read if ahead else None), now
         tokens, next_token, keep = report[:n], report[n], report[n + 1]
         if not record and keep < n:
             with timer("replay"):
                 state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
         if planner:
-            planner.observe(n - 1, keep - 1)
+            planner.observe(n - 1, keep - 1, seconds)
         emitted = tokens[1:keep] + [next_token]
         yield Step(tokens[1:], keep - 1, emitted), experts
         produced += len(emitted)
@@ -385,16 +399,16 @@ def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_dr
     return {**state, "layers": layers}, (h, last[1], last[2])
 
 
-def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool):
+def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True):
     """`decoding.step` for this model, drafter and settings, compiled once and kept with the model (the
     weights are implicit inputs, read at every call)."""
     steps = model.__dict__.setdefault("_decode_steps", {})
-    key = (id(head) if k else None, k, strategy.key, hidden, record)
+    key = (id(head) if k else None, k, strategy.key, hidden, record, compiled)
     if key not in steps:
         def run(state, last, rng):
             return decoding.step(model, head, k, strategy, hidden, record, state, last, rng)
 
-        if COMPILE:
+        if COMPILE and compiled:
             implicit = [model.state] + ([head.state] if k and head is not model.mtp else [])
             run = mx.compile(run, inputs=implicit)
         steps[key] = run

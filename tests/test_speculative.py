@@ -157,6 +157,16 @@ def test_quantized_head_differs_from_bf16_head(small_vocab_model):
     assert np.abs(eight - full).max() < np.abs(three - full).max()
 
 
+@pytest.mark.parametrize("compiled,queue_ahead", [(False, True), (True, False), (False, False)])
+def test_the_loop_without_compiling_or_queueing_ahead_makes_the_same_tokens(small_vocab_model, compiled, queue_ahead):
+    for n_draft in (1, 3):
+        for prompt in PROMPTS[:2]:
+            lean = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft)
+            ablated = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft, compiled=compiled,
+                                    queue_ahead=queue_ahead)
+            assert ablated.tokens == lean.tokens and ablated.stats.widths == lean.stats.widths
+
+
 def test_auto_drafting_is_lossless(small_vocab_model, model):
     for m in (small_vocab_model, model):
         for prompt in PROMPTS:
@@ -204,7 +214,7 @@ def test_planner_chooses_the_most_tokens_per_second():
     # before any draft, the prior: tau(2) = 2.71 in 1.4 is the best of 1.9/1.2, 2.71/1.4, 3.44/2, 4.1/3
     assert planner.choose() == 3
     for _ in range(40):  # a head that is always wrong: drafting stops paying, and plain decoding sticks
-        planner.observe(drafts=planner.width - 1, accepted=0)
+        planner.observe(drafts=planner.width - 1, accepted=0, seconds=planner.costs[planner.width])
         planner.choose()
     assert planner.width == 1 and planner.rates()[0] < 0.2
     for _ in range(10):
@@ -219,6 +229,34 @@ def test_planner_waits_before_giving_up_drafting():
         planner.observe(drafts=1, accepted=0)
     planner.observe(drafts=1, accepted=0)
     assert planner.choose() == 1
+
+
+def test_planner_corrects_its_calibrated_costs_by_the_steps_it_times():
+    planner = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.0, 3: 1.2}, priors=[0.9, 0.9])
+    assert planner.choose() == 3  # 2.71 tokens in 1.2 s beats 1.9 in 1.0
+    for _ in range(8):  # the whole machine slows down: widths keep their ratio, the choice stands
+        planner.observe(drafts=2, accepted=2, seconds=2.0)
+    assert planner.cost(2) == pytest.approx(1.0 * 2.0 / 1.2) and planner.choose() == 3
+    slow = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.0, 3: 1.2}, priors=[0.9, 0.9])
+    for width, seconds in [(2, 1.0)] * 8 + [(3, 2.0)] * 8:  # width 3 runs slower than calibrated, 2 does not
+        slow.observe(drafts=width - 1, accepted=width - 1, seconds=seconds)
+    assert slow.cost(3) > 1.5 > slow.cost(2) and slow.choose() == 2
+    untimed = adaptive.DraftPlanner(costs={2: 1.0, 3: 1.2})
+    untimed.observe(drafts=2, accepted=1, seconds=None)
+    assert untimed.cost(3) == 1.2 and untimed.steps == 1
+
+
+def test_planner_tries_a_width_its_calibration_may_have_priced_too_high():
+    # calibrated: width 3 just below width 2 (1.9 / 1.0 against 2.71 / 1.45); its real cost is 1.2
+    planner = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.0, 3: 1.45}, priors=[0.9, 0.9])
+    planner.paces = {2: [1.0] * 8}  # width 2 timed, width 3 never
+    assert planner.choose() == 3  # optimism: untimed, within the calibration's noise of the best
+    for _ in range(8):
+        planner.observe(drafts=2, accepted=2, seconds=1.2)
+    assert planner.cost(3) < 1.45 and planner.choose() == 3  # timed, it stays for what it really costs
+    far = adaptive.DraftPlanner(costs={1: 1.0, 2: 1.0, 3: 3.0}, priors=[0.9, 0.9])
+    far.paces = {2: [1.0] * 8}
+    assert far.choose() == 2  # a width far from the best is not tried
 
 
 def test_planner_starts_from_the_rates_of_the_last_generation(small_vocab_model):
