@@ -33,7 +33,8 @@
 # - how many experts a verify pass over `n` tokens reads in each MoE layer, counted and from the formula;
 # - how bytes read become time on a memory-bound machine, and the speedup MTP can give an A3B MoE next to a
 #   dense model of the same active size;
-# - where a speculative step's time goes on the tiny model, and qmtp against mlx-lm.
+# - where a speculative step's time goes on the tiny model, what compiling the step and queueing ahead buy,
+#   how `n_draft="auto"` chooses the width, and qmtp against mlx-lm.
 #
 # **What runs here.** The cost model is pure arithmetic on the real config; the tiny model's passes and
 # decoding speeds are measured in this run (timings vary with the machine and its load). The chapter's run
@@ -75,7 +76,7 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 # verify pass read.
 
 # %%
-report = bench.mtp(model, prompts, max_tokens=MAX_TOKENS, n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS)
+report = bench.mtp(model, prompts, max_tokens=MAX_TOKENS, n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
 display(Markdown(inventory.markdown_table(
@@ -277,10 +278,13 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # costs, which depends on the model and the machine. `n_draft="auto"` (`qmtp.adaptive.DraftPlanner`) estimates
 # both while it decodes: the acceptance at each draft position from the drafts proposed and kept so far, and
 # the cost of a step at each width by timing every width's compiled step once per model, pipelined as the
-# decoding loop runs it. Each step then takes the width with the most expected tokens per second,
-# $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the section on speedup; it switches only for a gain
-# of more than a few percent, and falls back to plain decoding for good when drafting stops paying. It ran in
-# the same rounds as the fixed widths above:
+# decoding loop runs it. A shared machine does not keep one speed (here it drifts by a quarter within
+# seconds), so the planner also times the steps it runs and scales each width's calibrated cost by how long
+# its recent steps took against it; a width it has not yet timed is credited with a little optimism, so that
+# one the calibration priced too high still gets tried when it is near the best. Each step then takes the
+# width with the most expected tokens per second, $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the
+# section on speedup; it switches only for a gain of more than a few percent, and falls back to plain
+# decoding for good when drafting stops paying. It ran in the same rounds as the fixed widths above:
 
 # %%
 auto = report["auto"]
@@ -304,6 +308,50 @@ glue("auto_verdict", "within 5% of the best fixed width" if auto["over_best_fixe
 # {glue:text}`auto_tokens_per_pass:.2f` tokens per pass: {glue:text}`auto_verdict`. Timing the widths cost
 # {glue:text}`auto_calibration_ms:.0f` ms once, before the first generation (not counted in its tokens per
 # second). The fixed widths' speeds are those of the same rounds, so part of any gap is the machine's noise.
+#
+# ## What the lean loop buys
+#
+# Two choices make the loop above lean: each step is one compiled function (`mx.compile` traces
+# `qmtp.decoding.step` once per width and replays the trace), and the host queues step s + 1 before it
+# reads the tokens of step s, so the machine never waits for Python. The same rounds ran the same loop with
+# one or both taken away (`generate(..., compiled=False, queue_ahead=False)`; `python -m qmtp bench mtp
+# --ablate 1 4` prints the same rows), at plain decoding and at `n_draft=4`:
+
+# %%
+ablation = report["ablation"]
+assert all(r["same_tokens_as_lean"] for r in ablation)
+lean = {n: by_n[n]["tokens_per_second"] for n in (1, 4)}
+rows = [{"loop": "compiled, queued ahead", "n_draft": n, "tok/s": lean[n], "of the lean loop": 1.0,
+         "vs plain (lean)": lean[n] / lean[1]} for n in (1, 4)]
+rows += [{"loop": r["loop"].replace("eager", "eager (not compiled)"), "n_draft": r["n_draft"],
+          "tok/s": r["tokens_per_second"], "of the lean loop": r["over_lean"],
+          "vs plain (lean)": r["tokens_per_second"] / lean[1]} for r in ablation]
+display(Markdown(inventory.markdown_table(rows, ["loop", "n_draft", "tok/s", "of the lean loop", "vs plain (lean)"],
+                                          {"tok/s": "{:.0f}", "of the lean loop": "{:.2f}x",
+                                           "vs plain (lean)": "{:.2f}x"})))
+eager = {r["n_draft"]: r for r in ablation if r["loop"].startswith("eager")}
+unqueued = {r["n_draft"]: r for r in ablation if not r["loop"].startswith("eager")}
+glue("eager_n4_vs_lean_plain", eager[4]["tokens_per_second"] / lean[1], display=False)
+glue("eager_n4_vs_eager_plain", eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"], display=False)
+glue("eager_n1_of_lean", eager[1]["over_lean"], display=False)
+glue("unqueued_n4_of_lean", unqueued[4]["over_lean"], display=False)
+glue("lean_n4_vs_plain", lean[4] / lean[1], display=False)
+trace_gain = unqueued[4]["tokens_per_second"] / eager[4]["tokens_per_second"]  # both read before queueing
+overlap_gain = 1 / unqueued[4]["over_lean"]
+glue("trace_gain", trace_gain, display=False)
+glue("overlap_gain", overlap_gain, display=False)
+glue("gain_verdict", "the trace is worth more than the overlap" if trace_gain > overlap_gain else
+     "the overlap is worth more than the trace", display=False)
+
+# %% [markdown]
+# Without its trace a step builds its graph operation by operation, which at the tiny model's sizes is a
+# large part of a step: eager plain decoding runs at {glue:text}`eager_n1_of_lean:.2f`x the lean loop.
+# Eager drafting at `n_draft=4` is {glue:text}`eager_n4_vs_eager_plain:.2f`x eager plain decoding, but
+# {glue:text}`eager_n4_vs_lean_plain:.2f`x the lean plain loop, against {glue:text}`lean_n4_vs_plain:.2f`x
+# for the lean one: a speculative loop is only faster if it beats a plain loop as lean as itself. At
+# `n_draft=4` the trace alone gives {glue:text}`trace_gain:.2f`x (both loops reading each step before
+# queueing the next) and queueing ahead another {glue:text}`overlap_gain:.2f`x: {glue:text}`gain_verdict`
+# here (on the CPU, MLX lets the host run only a little ahead of the computation).
 #
 # ## qmtp against mlx-lm
 #

@@ -13,9 +13,9 @@ tau(k) / c(k + 1). Neither is known in advance:
   step is timed once per model, a few steps in a row from the prompt's state and pipelined as the decoding
   loop pipelines them (steps are pure functions of arrays, so running them and throwing the results away
   changes nothing), the widths interleaved, the median kept. A shared machine is not as fast from one second
-  to the next (here by a quarter), so those costs are corrected by the steps the generation runs: each
-  width's calibrated cost is scaled by how long its recent steps took against it, shrunk towards how long
-  all recent steps took against theirs (the machine's present pace). A width is only timed if it is chosen,
+  to the next (here by a quarter), so those costs are corrected by the steps the generation runs: all
+  widths are scaled by the machine's present pace (how long recent steps took against their calibrated
+  costs), and each width by how its own steps compared with the pace of their moment. A width is only timed if it is chosen,
   so one whose calibration came out too slow would never be: widths with few timed steps are credited with
   a little optimism (an upper confidence bound, as in a bandit), enough to try the ones near the best.
 
@@ -49,12 +49,12 @@ class DraftPlanner:
     margin: float = 0.03  # a new width must promise this much more (relative) than the current one
     plain_after: int = 16  # steps observed before the planner may give up drafting
     window: int = 16  # recent steps kept to correct the calibrated costs
-    explore: float = 0.1  # optimism for a width with few timed steps, so that a near-best one gets tried
+    explore: float = 0.2  # optimism for a width with few timed steps, so that a near-best one gets tried
     width: int = 0  # the width last chosen (0: none yet)
     steps: int = 0
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-    paces: dict = field(default_factory=dict)  # width -> its recent steps' seconds over its calibrated cost
+    paces: dict = field(default_factory=dict)  # width -> its recent steps' paces over the pace of their moment
 
     def __post_init__(self):
         depth = max(self.costs) - 1
@@ -63,11 +63,15 @@ class DraftPlanner:
         self.recent = deque(maxlen=self.window)  # the same ratio for the last steps of any width
 
     def cost(self, width: int) -> float:
-        """Seconds of a step at `width` now: its calibrated cost scaled by its own recent pace, shrunk (as
-        the rates are) towards the pace of all recent steps."""
+        """Seconds of a step at `width` now: its calibrated cost scaled by the machine's present pace (all
+        recent steps against their calibrated costs) and by how this width's own steps compared with the
+        pace of their moment, shrunk (as the rates are) towards 1. Relative, so that a width last run in a
+        slow spell is not priced by it; medians, since the first step after a switch of width can include
+        tracing the step for the new pair of shapes, many steps' worth."""
         mine = self.paces.get(width, ())
         pace = statistics.median(self.recent) if self.recent else 1.0
-        return self.costs[width] * (sum(mine) + self.weight * pace) / (len(mine) + self.weight)
+        shape = statistics.median(mine) if mine else 1.0
+        return self.costs[width] * pace * (len(mine) * shape + self.weight) / (len(mine) + self.weight)
 
     def rates(self) -> list[float]:
         """Estimated acceptance per draft position: counts shrunk towards the position before."""
@@ -106,8 +110,9 @@ class DraftPlanner:
         self.steps += 1
         if seconds is not None:
             pace = seconds / self.costs[drafts + 1]
-            self.paces.setdefault(drafts + 1, deque(maxlen=self.window)).append(pace)
             self.recent.append(pace)
+            relative = pace / statistics.median(self.recent)
+            self.paces.setdefault(drafts + 1, deque(maxlen=self.window)).append(relative)
         for i in range(min(accepted + 1, drafts)):
             self.proposed[i] += 1
         for i in range(accepted):

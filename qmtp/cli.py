@@ -392,9 +392,11 @@ def chat(args) -> int:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
     prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
     for prompt in prompts:
+        print(prompt, end="", flush=True)
+        text = TextStream(model.tokenizer)
         g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
-                     temperature=args.temperature, seed=args.seed)
-        print(prompt + g.text, flush=True)
+                     temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+        text.finish(g.text)
         s = g.stats
         line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"
         if n_draft != 1:
@@ -403,6 +405,34 @@ def chat(args) -> int:
             line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
         print(line + "]", file=sys.stderr, flush=True)
     return 0
+
+
+class TextStream:
+    """Prints a generation's text as its tokens arrive (a step of the real model can take seconds). Text is
+    decoded from all tokens so far, since a character can span tokens; an incomplete one (decoded as U+FFFD)
+    waits for the next step."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+
+    def add(self, tokens: list[int]) -> None:
+        self.tokens.extend(t for t in tokens if t != self.tokenizer.eos_id)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        self._show(text)
+
+    def finish(self, text: str) -> None:
+        self._show(text)
+        print(flush=True)
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+        else:  # decoding changed what was shown (rare): print the rest from where the two part
+            common = len(os.path.commonprefix([text, self.shown]))
+            print(text[common:], end="", flush=True)
+        self.shown = text
 
 
 def _utf8_argument(text: str, flag: str) -> str:

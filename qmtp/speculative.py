@@ -229,6 +229,7 @@ def generate(
     timer: PhaseTimer | None = None,
     compiled: bool = True,
     queue_ahead: bool = True,
+    on_tokens=None,
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids).
 
@@ -246,6 +247,8 @@ def generate(
         compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a
             trace), or reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s
             ablation). The tokens are the same.
+        on_tokens: called with each step's new output tokens as soon as the host has them (streaming; a
+            step's tokens past `max_tokens` or after the end-of-text token are not passed).
     """
     prompt_tokens = _prompt_tokens(model, prompt)
     _check_types(max_tokens, n_draft, temperature)
@@ -278,8 +281,20 @@ def generate(
     started = time.perf_counter()
     steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
                          timer or _untimed, compiled, queue_ahead)
+    streamed = 0
+
+    def stream():
+        nonlocal streamed
+        if on_tokens is None:  # nothing to do between passes
+            return
+        visible = _output(out, max_tokens, eos)
+        if len(visible) > streamed:
+            on_tokens(visible[streamed:])
+            streamed = len(visible)
+
     out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
+    stream()
     started = time.perf_counter()
     for step, experts in steps:
         for i in range(min(step.accepted + 1, len(step.drafts))):
@@ -290,6 +305,7 @@ def generate(
         if recorder is not None:
             recorder.record(experts)
         out.extend(step.emitted)
+        stream()
     stats.decode_seconds = time.perf_counter() - started
     if planner is not None:
         carried[(id(drafter), strategy.key)] = planner.rates()
@@ -297,12 +313,16 @@ def generate(
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()
-    out = out[:max_tokens]
-    if eos is not None and eos in out:
-        out = out[: out.index(eos) + 1]
+    out = _output(out, max_tokens, eos)
     stats.generated = len(out)
     text = model.tokenizer.decode([t for t in out if t != eos]) if model.tokenizer is not None else ""
     return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats)
+
+
+def _output(tokens: list[int], max_tokens: int, eos) -> list[int]:
+    """What a generation returns of the tokens decoded: at most `max_tokens`, ending at the first `eos`."""
+    tokens = tokens[:max_tokens]
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,

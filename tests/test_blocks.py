@@ -264,6 +264,21 @@ def test_sparse_moe(case):
         check("moe", got, ref.sparse_moe(case.w, prefix, case.x, case.cfg))
 
 
+@pytest.mark.parametrize("tokens,sort", [(1, False), (3, True), (40, False)])
+def test_bfloat16_experts_cast_only_what_they_use(tokens, sort):
+    """On the CPU bf16 experts compute in float32: taking the chosen ones first gives the whole stack's result."""
+    from qmtp.moe import StackedLinear
+
+    layer = StackedLinear(16, 32, 24)
+    layer.weight = mx.random.normal((16, 24, 32)).astype(mx.bfloat16)
+    indices = mx.random.randint(0, 16, (tokens, 2)).astype(mx.uint32)
+    if sort:
+        indices = mx.sort(indices.reshape(-1)).reshape(tokens, 2)
+    x = mx.random.normal((tokens, 1, 1, 32))
+    whole = mx.gather_mm(x, layer.weight.astype(mx.float32).swapaxes(-1, -2), rhs_indices=indices)
+    assert np.array_equal(np.array(layer(x, indices, sorted_indices=sort)), np.array(whole))
+
+
 def test_decoder_layers(case):
     for i, kind in enumerate(case.cfg.layer_types):
         got = case.model.layers[i](mx.array(case.x))

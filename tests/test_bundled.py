@@ -69,6 +69,7 @@ def test_chat_reports_the_acceptance_teacher_forcing_predicts(model):
     assert result.returncode == 0, result.stderr
     reported = float(result.stderr.split("acceptance ")[1].split(" ")[0])
     plain = qmtp.generate(model, prompt, max_tokens=40)
+    assert result.stdout == prompt + plain.text + "\n"  # streamed step by step, the same text in the end
     predicted = evaluate.predicted_acceptance(model, plain.prompt_tokens, plain.tokens)
     # the walk and the run agree draft for draft; only the last step, cut by the end of text, may differ
     assert abs(reported - predicted["rate"]) <= 1.5 / predicted["proposed"] + 0.005

@@ -167,6 +167,17 @@ def test_the_loop_without_compiling_or_queueing_ahead_makes_the_same_tokens(smal
             assert ablated.tokens == lean.tokens and ablated.stats.widths == lean.stats.widths
 
 
+@pytest.mark.parametrize("n_draft,max_tokens", [(1, 7), (3, 7), (3, 200)])
+def test_streamed_tokens_are_the_output_as_it_comes(n_draft, max_tokens):
+    model = qmtp.load()  # the bundled model: it has a tokenizer and ends its texts
+    chunks = []
+    g = qmtp.generate(model, "Once upon a time", max_tokens=max_tokens, n_draft=n_draft, on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == g.tokens and all(chunks)
+    assert len(chunks) <= 1 + g.stats.trunk_passes  # the prefill's token, then at most one chunk a pass
+    if max_tokens == 200:
+        assert g.tokens[-1] == model.tokenizer.eos_id  # nothing streamed past the end of the text
+
+
 def test_auto_drafting_is_lossless(small_vocab_model, model):
     for m in (small_vocab_model, model):
         for prompt in PROMPTS:
