@@ -11,7 +11,7 @@ tau(k) / c(k + 1). Neither is known in advance:
   first, the rate of the position before it (and `prior` at the first position);
 - the cost of a step is a property of the model and the machine, not of the text: each width's compiled
   step is timed once per model, a few steps in a row from the prompt's state and pipelined as the decoding
-  loop pipelines them (steps are pure functions of arrays, so running them and throwing the results away
+  loop pipelines them (`time_steps`) (steps are pure functions of arrays, so running them and throwing the results away
   changes nothing), the widths interleaved, the median kept. A shared machine is not as fast from one second
   to the next (here by a quarter), so those costs are corrected by the steps the generation runs: all
   widths are scaled by the machine's present pace (how long recent steps took against their calibrated
@@ -119,27 +119,41 @@ class DraftPlanner:
             self.accepted[i] += 1
 
 
-def time_steps(runs: dict, inputs: dict, rounds: int = 3, chain: int = 4) -> dict[int, float]:
-    """Seconds of one step at each width as the decoding loop runs them: steps of `runs[n]` one after the
-    other from `inputs[n]` = (state, last, key), each queued before the host waits for the one before (so
-    what the loop overlaps is overlapped here too), timed from the first one's tokens to the tokens of
-    `chain` more: the interval between two reads, which is what the loop's planner times. Per width the
-    median over `rounds`, the widths interleaved round by round so that a slow spell of the machine does not
-    fall on one of them."""
-    for n, run in runs.items():  # the first calls of each trace and compile it
-        mx.eval(run(*inputs[n])[2])
+def time_steps(runs: dict, inputs: dict, rounds: int = 4, chain: int = 3, budget: float = 20.0) -> dict[int, float]:
+    """Seconds of one step at each width as the decoding loop runs them: each step queued before the host
+    waits for the one before (so what the loop overlaps is overlapped here too), and timed as the loop's
+    planner times it, by the interval between two reads inside a run of steps of one width.
+
+    Only inside such a run is that interval one step's cost: where the host waits differs by device (on
+    the CPU, MLX computes a step while the host queues it; on a GPU, while the host reads the one before),
+    so an interval next to a change of width measures a neighbour as often as itself. `runs[n]` is width
+    n's step, `inputs[n]` = (state, last, key) its first inputs; each round runs `chain` + 2 steps of every
+    width from its inputs, the order rotated from round to round so that a slow spell of the machine falls
+    on every width; the median over the rounds is kept. Where steps take seconds (the real model on a small
+    machine), fewer rounds and shorter runs keep the whole within about `budget` seconds."""
     times = {n: [] for n in runs}
-    for _ in range(rounds):
-        for n, run in runs.items():
-            out = run(*inputs[n])
+    widths = list(runs)
+    for n in widths:  # the first calls of each trace and compile it
+        mx.eval(runs[n](*inputs[n])[2])
+    started = time.perf_counter()
+    for n in widths:
+        mx.eval(runs[n](*inputs[n])[2])
+    step = (time.perf_counter() - started) / len(widths)
+    while chain > 1 and step * len(widths) * (chain + 2) * rounds > budget:
+        chain -= 1
+    rounds = max(1, min(rounds, int(budget / (step * len(widths) * (chain + 2)))))
+    for r in range(rounds):
+        for n in widths[r % len(widths):] + widths[: r % len(widths)]:
+            out = runs[n](*inputs[n])
             mx.async_eval(out[2])
-            for i in range(chain):
-                queued = run(out[0], out[1], out[4])
+            read = None
+            for i in range(chain + 1):
+                queued = runs[n](out[0], out[1], out[4])
                 mx.async_eval(queued[2])
                 out[2].tolist()
-                if i == 0:
-                    started = time.perf_counter()
-                out = queued
+                now = time.perf_counter()
+                if read is not None:  # the first read comes after a start from rest
+                    times[n].append(now - read)
+                out, read = queued, now
             out[2].tolist()
-            times[n].append((time.perf_counter() - started) / chain)
     return {n: statistics.median(t) for n, t in times.items()}

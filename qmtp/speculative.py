@@ -356,19 +356,20 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             mx.async_eval(step[2])
         return n, step
 
-    queued, queued_ahead, read = queue(state, last, key), False, None
+    queued, queued_ahead, read, width_before = queue(state, last, key), False, None, None
     while True:
         before = state
         n, (state, last, report, experts, key) = queued
-        # A pass queued while the one before ran took, from the host's view, the time between their reads
-        # (the loop's steady state, which the planner's costs correct towards); any other pass did not.
         ahead, queued, queued_ahead = queued_ahead, None, False
         if queue_ahead and (record or n == 1) and produced + n < max_tokens:
             queued, queued_ahead = queue(state, last, key), True  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
         now = time.perf_counter()
-        seconds, read = (now - read if ahead else None), now
+        # The time between two reads is one pass's cost when the passes around it are queued ahead and of
+        # one width (`adaptive.time_steps` says why); the planner is given only those.
+        steady = ahead and queued_ahead and width_before == n == queued[0]
+        seconds, read, width_before = (now - read if steady else None), now, n
         tokens, next_token, keep = report[:n], report[n], report[n + 1]
         if not record and keep < n:
             with timer("replay"):
