@@ -98,7 +98,7 @@ def trunk_step(model, tokens: mx.array, state: dict, record: bool):
     """The trunk over tokens [1, T] from `state`: (its output before and after the final norm [1, T, H], the
     experts each layer chose, the layers' new states, recorded per position for linear attention when
     `record`). The offset is not moved."""
-    x = model.embed_tokens(tokens)
+    x = model.embed(tokens)
     experts, layers = [], []
     for layer, layer_state in zip(model.layers, state["layers"]):
         x, indices, new_state = layer_step(layer, x, layer_state, state["offset"], record)
@@ -123,7 +123,7 @@ def keep_prefix(model, recorded_layers: list, keep: mx.array) -> list:
 def head_step(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.array):
     """The head over (trunk or head states [1, T, H], the tokens after them [1, T]) at head positions at..:
     (its post-norm states [1, T, H], its new KV buffers)."""
-    z = head.combine(hidden, model.embed_tokens(tokens))
+    z = head.combine(hidden, model.embed(tokens))
     z, _, buffers = layer_step(head.layers[0], z, buffers, at, record=False)
     return head.norm(z), buffers
 

@@ -145,11 +145,17 @@ class Model(nn.Module):
     # ---- trunk ------------------------------------------------------------------------------------------
     def trunk(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
         """tokens [B, T] -> (state before the final norm, h after it), both [B, T, H]."""
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         for layer, c in zip(self.layers, caches):
             x = layer(x, c)
         return x, self.norm(x)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Token embeddings in the compute dtype (a model stored in bfloat16 for lack of memory computes in
+        float32: see `load`)."""
+        x = self.embed_tokens(tokens)
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
 
     def logits(self, h: mx.array) -> mx.array:
         """Score hidden states with lm_head (shared by trunk and head)."""
@@ -178,7 +184,7 @@ class Model(nn.Module):
 
     def head_states(self, h: mx.array, tokens: mx.array) -> mx.array:
         """The head's output [B, T-1, H] from trunk states `h` [B, T, H] already computed for `tokens` [B, T]."""
-        return self.require_head()(h[:, :-1], self.embed_tokens(tokens[:, 1:]))
+        return self.require_head()(h[:, :-1], self.embed(tokens[:, 1:]))
 
     def make_cache(self) -> ModelCache:
         layers = [LinearCache() if kind == LINEAR else KVCache() for kind in self.config.layer_types]
@@ -278,6 +284,11 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     quantize_layers(model, widths)
     # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
     dtype = _dtype_that_fits(model, dtype, chosen=requested_dtype is None, path=path)
+    # Stored in bfloat16 only for lack of memory, the weights are still computed in float32: the norms (a
+    # few KB) stay float32, which makes every activation float32 from the first norm on. On the CPU a
+    # quantized matmul with bfloat16 scales runs as fast as with float32 ones when its input is float32,
+    # and several times slower when it is bfloat16.
+    compute_float32 = requested_dtype is None and dtype == mx.bfloat16 and default_dtype() == mx.float32
     reader = layout.Reader(ckpt, config)
     wanted = set(_flat_names(model))
     weights = []
@@ -286,7 +297,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
             continue  # head tensors when the head is not loaded
         w = fixes_mod.apply(name, reader.materialise(recipe), applying)
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            w = w.astype(mx.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
+            kept = name.endswith(FLOAT32_SUFFIXES) or (compute_float32 and name.endswith("norm.weight"))
+            w = w.astype(mx.float32 if kept else dtype)
         mx.eval(w)
         weights.append((name, w))
     loaded = {name for name, _ in weights}
@@ -323,7 +335,8 @@ def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
         if not chosen or dtype == mx.bfloat16:
             raise
     memory.check_fits(loaded_bytes(model, mx.bfloat16), f"{path}: loading the model (even in bfloat16)")
-    warnings.warn(f"{path}: the model does not fit in memory in {dtype}; loading it in bfloat16", stacklevel=3)
+    warnings.warn(f"{path}: the model does not fit in memory in {dtype}; loading it in bfloat16 (computing in "
+                  f"{dtype})", stacklevel=3)
     return mx.bfloat16
 
 

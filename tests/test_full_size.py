@@ -141,3 +141,26 @@ def test_full_size_end_to_end(workdir):
     finally:
         shutil.rmtree(workdir / "full", ignore_errors=True)
         shutil.rmtree(workdir / "full-q4", ignore_errors=True)
+
+
+def test_a_model_stored_in_bfloat16_for_lack_of_memory_computes_in_float32(monkeypatch):
+    """The bfloat16 fallback keeps float32 activations: on the CPU a quantized matmul with a bfloat16 input
+    is several times slower than with a float32 one, for the same bfloat16 scales."""
+    import warnings
+
+    import mlx.core as mx
+
+    import qmtp
+    from qmtp import model as model_mod
+
+    if model_mod.default_dtype() != mx.float32:
+        pytest.skip("the fallback applies where qmtp computes in float32 (the CPU)")
+    monkeypatch.setattr(model_mod, "_dtype_that_fits", lambda model, dtype, chosen, path: mx.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored = qmtp.load()
+    assert stored.embed_tokens.weight.dtype == mx.bfloat16 and stored.dtype == mx.float32
+    assert stored.hidden_states(mx.array([[1, 2, 3]])).dtype == mx.float32
+    prompt = "Once upon a time"
+    assert qmtp.generate(stored, prompt, max_tokens=16, n_draft=3).tokens == qmtp.generate(stored, prompt,
+                                                                                          max_tokens=16).tokens
