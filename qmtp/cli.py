@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .conventions import BITS, GROUP_SIZES, is_unquantized, parse_width, width_text
 from .corpus import REGISTERS
 from .errors import QmtpError, UsageError
 
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
     convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
     convert.add_argument("dst", help="directory to write (refused if it exists, unless --force)")
-    convert.add_argument("--bits", type=int, default=8, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 8)")
-    convert.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="quantization group (default 64)")
+    convert.add_argument("--bits", type=int, default=8, choices=BITS, help="trunk width (default 8)")
+    convert.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="quantization group (default 64)")
     convert.add_argument("--mtp-bits", type=_width, default="bf16", metavar="bf16|N",
                          help="MTP head width (default bf16: unquantized)")
     convert.add_argument("--router-bits", type=_width, default=8, metavar="N|bf16",
@@ -138,23 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--gb", type=float, default=4.0, help="size of the bf16 source, at least (default 4)")
     conv.add_argument("--preset", choices=("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reduced"),
                       help="instead of --gb: this synthetic preset, experts sparse (full size: 71 GB apparent)")
-    conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 4)")
-    conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    conv.add_argument("--bits", type=int, default=4, choices=BITS, help="trunk width (default 4)")
+    conv.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES)
     conv.add_argument("--rounds", type=int, default=2, help="rounds of the three commands (default 2)")
     conv.add_argument("--json", type=json_destination, help="also write the results here")
     return parser
 
 
 def _width(text: str):
-    """--mtp-bits and friends: "bf16" (unquantized) or a width MLX quantizes to."""
-    if text.lower() in ("bf16", "none", "16"):
+    """--mtp-bits and friends: "bf16" (unquantized: bf16, none or 16) or a width MLX quantizes to."""
+    if is_unquantized(text) or text == "16":
         return "bf16"
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected bf16 or a number of bits, got {text!r}") from None
-    if value not in (2, 3, 4, 5, 6, 8):
-        raise argparse.ArgumentTypeError(f"{value} bits: choose from 2, 3, 4, 5, 6, 8 (or bf16)")
+    if value not in BITS:
+        raise argparse.ArgumentTypeError(f"{value} bits: choose from {', '.join(map(str, BITS))} (or bf16)")
     return value
 
 
@@ -166,7 +167,7 @@ def convert(args) -> int:
         result = run(args.src, args.dst, bits=args.bits, group_size=args.group_size, mtp_bits=args.mtp_bits,
                      router_bits=args.router_bits, lm_head_bits=args.lm_head_bits, shards=args.shards,
                      force=args.force, allow_incomplete_head=args.allow_incomplete_head, progress=not args.quiet)
-    head = "bf16" if args.mtp_bits == "bf16" else f"{args.mtp_bits}-bit"
+    head = width_text(parse_width(args.mtp_bits, "mtp_bits"))
     print(f"wrote {result} [trunk {args.bits}-bit, group {args.group_size}, head {head}, fixes {', '.join(result.fixes)}]")
     return 0
 

@@ -80,12 +80,9 @@ from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, open_regu
                          shard_name, tensor_bytes, write_index, write_safetensors)
 from .config import ModelConfig
 from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
-from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
-
-BITS = (2, 3, 4, 5, 6, 8)
-"""Widths `convert` writes (mx.quantize also takes 1 bit; no loader expects it in a model)."""
-GROUP_SIZES = (32, 64, 128)
-ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
+from .conventions import (BITS, GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32,
+                          parse_width)
+from .sizes import sizes
 QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
 QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
 CACHE_FRACTION = 4  # of the largest tensor, kept by MLX for reuse while converting
@@ -119,22 +116,6 @@ class Conversion:
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------
-def parse_width(value, what: str, allow_unquantized: bool = True) -> int | None:
-    """A width argument: an int in BITS, or None / "bf16" / 16 for unquantized (where allowed)."""
-    if value is None or (isinstance(value, str) and value.lower() in ("bf16", "none")) or value == UNQUANTIZED:
-        if allow_unquantized:
-            return None
-        raise UsageError(f"{what}={value!r}: give a width in {BITS}")
-    try:
-        width = int(value)
-    except (TypeError, ValueError):
-        width = None
-    if width not in BITS or isinstance(value, bool) or (isinstance(value, float) and value != width):
-        extra = " or bf16 (unquantized)" if allow_unquantized else ""
-        raise UsageError(f"{what}={value!r} is not supported; MLX quantizes to {BITS} bits{extra}")
-    return width
-
-
 def _check_arguments(bits, group_size, mtp_bits, router_bits, lm_head_bits, shards):
     bits = parse_width(bits, "bits", allow_unquantized=False)
     if group_size not in GROUP_SIZES or isinstance(group_size, bool):
@@ -148,8 +129,8 @@ def _check_arguments(bits, group_size, mtp_bits, router_bits, lm_head_bits, shar
 
 
 def _width(value: int | None) -> int:
-    """convert's None (unquantized) as the `sizes` module spells it."""
-    return UNQUANTIZED if value is None else value
+    """Unquantized (None) as `sizes` takes it: there None means "as `bits`" for lm_head_bits."""
+    return UNQUANTIZED_BITS if value is None else value
 
 
 # ---- the source ---------------------------------------------------------------------------------------------
@@ -536,7 +517,7 @@ class _TensorWriter:
             t, key = policy[name], layout.mlx_name(name)
             following = self.names[i + 1] if i + 1 < len(self.names) else None
             if t.bits is None:
-                out_dtype = "F32" if name.endswith(FLOAT32_SUFFIXES) else dtype
+                out_dtype = "F32" if keeps_float32(name) else dtype
                 self._add(key, out_dtype, t.shape, lambda n=name, d=out_dtype, f=following: self._plain(n, d, f))
                 self.record[key] = {"bits": None, "group_size": None, "dtype": out_dtype}
             else:

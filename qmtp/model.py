@@ -25,12 +25,12 @@ from .attention import GatedAttention, causal_mask
 from .cache import KVCache, LinearCache, ModelCache
 from .checkpoint import Checkpoint
 from .config import LINEAR, ModelConfig
+from .conventions import keeps_float32
 from .deltanet import GatedDeltaNet
 from .errors import CheckpointError, QmtpError, UsageError
 from .moe import SparseMoE
 from .mtp import MTPHead
 from .norms import RMSNorm
-from .sizes import FLOAT32_SUFFIXES
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
 
@@ -286,7 +286,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
             continue  # head tensors when the head is not loaded
         w = fixes_mod.apply(name, reader.materialise(recipe), applying)
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            w = w.astype(mx.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
+            w = w.astype(mx.float32 if keeps_float32(name) else dtype)
         mx.eval(w)
         weights.append((name, w))
     loaded = {name for name, _ in weights}
@@ -329,11 +329,11 @@ def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
 
 def loaded_bytes(model: Model, dtype) -> int:
     """The bytes `model`'s weights take once loaded: quantized codes as stored, float weights in `dtype` (float32
-    for the FLOAT32_SUFFIXES ones). Read from the placeholders' shapes, which are never evaluated."""
+    for those `conventions.keeps_float32` names). Read from the placeholders' shapes, which are never evaluated."""
     total = 0
     for name, p in tree_flatten(model.parameters()):
         if mx.issubdtype(p.dtype, mx.floating):
-            total += p.size * (4 if name.endswith(FLOAT32_SUFFIXES) else dtype.size)
+            total += p.size * (4 if keeps_float32(name) else dtype.size)
         else:
             total += p.nbytes
     return total
