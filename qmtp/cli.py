@@ -200,56 +200,50 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
     """Print what the checkpoint at `path` holds; return its problems (empty: complete and finite)."""
     from . import fixes as fixes_mod
     from . import layout
-    from .checkpoint import Checkpoint
-    from .config import ModelConfig
+    from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, Source
 
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
-    config = ModelConfig.from_file(path)
-    ckpt = Checkpoint(path)
+    source = Source.open(path)
+    config, ckpt = source.config, source.ckpt
     print(f"\n{ckpt!r}")
-    plan = layout.plan(ckpt, config)
-    widths = layout.quantization(ckpt, plan, config)
-    layout.check_shapes(ckpt, plan, config, widths)
+    plan, widths = source.plan, source.widths
     problems = []
 
     expected = layout.expected_shapes(config, head=False)
-    missing = layout.missing_trunk(plan, config)
+    missing = source.missing_trunk()
     print(f"trunk: {len(expected) - len(missing)} of {len(expected)} tensors"
           + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete"))
     if missing:
         problems.append(f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)")
-    if not config.has_mtp:
-        print("MTP head: none declared in config.json")
-    elif not plan.head_present:
-        print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
-        problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
+    try:
+        status = source.head_status()
+    except QmtpError as err:
+        print(f"MTP head: INCOMPLETE ({err})")
+        problems.append(str(err))
     else:
-        try:
-            layout.check_head(plan, config, path)
-        except QmtpError as err:
-            print(f"MTP head: INCOMPLETE ({err})")
-            problems.append(str(err))
+        if status == HEAD_NOT_DECLARED:
+            print("MTP head: none declared in config.json")
+        elif status == HEAD_MISSING:
+            print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
+            problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
+        elif status == HEAD_FULL:
+            print("MTP head: complete, with its routed experts")
         else:
-            if plan.head_has_routed_experts:
-                print("MTP head: complete, with its routed experts")
-            else:
-                print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
-                problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
+            print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
+            problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
-    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    recorded = fixes_mod.recorded(ckpt.metadata, path)
-    carried = fixes_mod.already_applied(ckpt.metadata, conv_shape, path)
+    recorded, carried = source.recorded, source.carried
     try:
-        fixes_mod.check_against_tensors(ckpt, plan, carried, path)
+        source.check_carried()
     except QmtpError as err:
         print(f"fixes: RECORD AND TENSORS DISAGREE ({err})")
         problems.append(str(err))
-    source = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
-    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({source}); qmtp.load applies: "
-          f"{', '.join(fixes_mod.still_needed(carried, conv_shape is not None)) or 'nothing'}")
+    origin = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
+    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({origin}); qmtp.load applies: "
+          f"{', '.join(fixes_mod.still_needed(carried, source.has_conv)) or 'nothing'}")
     if widths:
         counts: dict = {}
         for bits, group in widths.values():

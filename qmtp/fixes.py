@@ -15,6 +15,8 @@ fixes are in the weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .conventions import conv_in_mlx_layout, conv_to_mlx, is_conv_kernel
 from .errors import CheckpointError, UsageError
 
@@ -159,7 +161,20 @@ def still_needed(carried: tuple[str, ...], has_conv: bool) -> tuple[str, ...]:
     return tuple(f for f in FIXES if f not in carried and (f != "conv" or has_conv))
 
 
-def to_apply(requested, metadata: dict[str, str], conv_shape) -> tuple[str, ...]:
-    """The requested fixes minus those already in the weights: never a second +1."""
-    done = already_applied(metadata, conv_shape)
-    return tuple(f for f in validate(requested) if f not in done)
+@dataclass(frozen=True)
+class FixPlan:
+    """Which fixes the stored weights carry, which are applied while reading them, and what is left out."""
+
+    carried: tuple[str, ...]
+    applying: tuple[str, ...]  # requested and not carried: never a second +1
+    has_conv: bool  # conv kernels stored (no linear-attention layers: none to fix)
+
+    @property
+    def result(self) -> tuple[str, ...]:
+        """The fixes in the weights once read, in FIXES order."""
+        return tuple(f for f in FIXES if f in self.carried or f in self.applying)
+
+    def warnings(self, where) -> list[str]:
+        """One message for each fix the weights are left without, saying what that does."""
+        return [f"{where}: loaded without the {fix!r} fix: {WITHOUT[fix]}"
+                for fix in still_needed(self.result, self.has_conv)]
