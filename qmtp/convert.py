@@ -78,11 +78,11 @@ from . import fixes as fixes_mod
 from . import layout
 from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, open_regular, read_json, shard_groups,
                          shard_name, tensor_bytes, write_index, write_safetensors)
+from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
 from .errors import IncompleteHeadError, QmtpError, UsageError
-from .conventions import (BITS, GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32,
-                          parse_width)
 from .sizes import sizes
 from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source
+
 QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
 QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
 CACHE_FRACTION = 4  # of the largest tensor, kept by MLX for reuse while converting
