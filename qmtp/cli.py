@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .conventions import BITS, GROUP_SIZES, is_unquantized, parse_width, width_text
 from .corpus import REGISTERS
 from .errors import QmtpError, UsageError
 
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
     convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
     convert.add_argument("dst", help="directory to write (refused if it exists, unless --force)")
-    convert.add_argument("--bits", type=int, default=8, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 8)")
-    convert.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="quantization group (default 64)")
+    convert.add_argument("--bits", type=int, default=8, choices=BITS, help="trunk width (default 8)")
+    convert.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES, help="quantization group (default 64)")
     convert.add_argument("--mtp-bits", type=_width, default="bf16", metavar="bf16|N",
                          help="MTP head width (default bf16: unquantized)")
     convert.add_argument("--router-bits", type=_width, default=8, metavar="N|bf16",
@@ -138,23 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--gb", type=float, default=4.0, help="size of the bf16 source, at least (default 4)")
     conv.add_argument("--preset", choices=("qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reduced"),
                       help="instead of --gb: this synthetic preset, experts sparse (full size: 71 GB apparent)")
-    conv.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="trunk width (default 4)")
-    conv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    conv.add_argument("--bits", type=int, default=4, choices=BITS, help="trunk width (default 4)")
+    conv.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES)
     conv.add_argument("--rounds", type=int, default=2, help="rounds of the three commands (default 2)")
     conv.add_argument("--json", type=json_destination, help="also write the results here")
     return parser
 
 
 def _width(text: str):
-    """--mtp-bits and friends: "bf16" (unquantized) or a width MLX quantizes to."""
-    if text.lower() in ("bf16", "none", "16"):
+    """--mtp-bits and friends: "bf16" (unquantized: bf16, none or 16) or a width MLX quantizes to."""
+    if is_unquantized(text) or text == "16":
         return "bf16"
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected bf16 or a number of bits, got {text!r}") from None
-    if value not in (2, 3, 4, 5, 6, 8):
-        raise argparse.ArgumentTypeError(f"{value} bits: choose from 2, 3, 4, 5, 6, 8 (or bf16)")
+    if value not in BITS:
+        raise argparse.ArgumentTypeError(f"{value} bits: choose from {', '.join(map(str, BITS))} (or bf16)")
     return value
 
 
@@ -166,7 +167,7 @@ def convert(args) -> int:
         result = run(args.src, args.dst, bits=args.bits, group_size=args.group_size, mtp_bits=args.mtp_bits,
                      router_bits=args.router_bits, lm_head_bits=args.lm_head_bits, shards=args.shards,
                      force=args.force, allow_incomplete_head=args.allow_incomplete_head, progress=not args.quiet)
-    head = "bf16" if args.mtp_bits == "bf16" else f"{args.mtp_bits}-bit"
+    head = width_text(parse_width(args.mtp_bits, "mtp_bits"))
     print(f"wrote {result} [trunk {args.bits}-bit, group {args.group_size}, head {head}, fixes {', '.join(result.fixes)}]")
     return 0
 
@@ -199,56 +200,50 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
     """Print what the checkpoint at `path` holds; return its problems (empty: complete and finite)."""
     from . import fixes as fixes_mod
     from . import layout
-    from .checkpoint import Checkpoint
-    from .config import ModelConfig
+    from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, Source
 
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
-    config = ModelConfig.from_file(path)
-    ckpt = Checkpoint(path)
+    source = Source.open(path)
+    config, ckpt = source.config, source.ckpt
     print(f"\n{ckpt!r}")
-    plan = layout.plan(ckpt, config)
-    widths = layout.quantization(ckpt, plan, config)
-    layout.check_shapes(ckpt, plan, config, widths)
+    plan, widths = source.plan, source.widths
     problems = []
 
     expected = layout.expected_shapes(config, head=False)
-    missing = layout.missing_trunk(plan, config)
+    missing = source.missing_trunk()
     print(f"trunk: {len(expected) - len(missing)} of {len(expected)} tensors"
           + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete"))
     if missing:
         problems.append(f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)")
-    if not config.has_mtp:
-        print("MTP head: none declared in config.json")
-    elif not plan.head_present:
-        print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
-        problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
+    try:
+        status = source.head_status()
+    except QmtpError as err:
+        print(f"MTP head: INCOMPLETE ({err})")
+        problems.append(str(err))
     else:
-        try:
-            layout.check_head(plan, config, path)
-        except QmtpError as err:
-            print(f"MTP head: INCOMPLETE ({err})")
-            problems.append(str(err))
+        if status == HEAD_NOT_DECLARED:
+            print("MTP head: none declared in config.json")
+        elif status == HEAD_MISSING:
+            print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
+            problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
+        elif status == HEAD_FULL:
+            print("MTP head: complete, with its routed experts")
         else:
-            if plan.head_has_routed_experts:
-                print("MTP head: complete, with its routed experts")
-            else:
-                print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
-                problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
+            print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
+            problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
-    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    recorded = fixes_mod.recorded(ckpt.metadata, path)
-    carried = fixes_mod.already_applied(ckpt.metadata, conv_shape, path)
+    recorded, carried = source.recorded, source.carried
     try:
-        fixes_mod.check_against_tensors(ckpt, plan, carried, path)
+        source.check_carried()
     except QmtpError as err:
         print(f"fixes: RECORD AND TENSORS DISAGREE ({err})")
         problems.append(str(err))
-    source = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
-    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({source}); qmtp.load applies: "
-          f"{', '.join(fixes_mod.still_needed(carried, conv_shape is not None)) or 'nothing'}")
+    origin = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
+    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({origin}); qmtp.load applies: "
+          f"{', '.join(fixes_mod.still_needed(carried, source.has_conv)) or 'nothing'}")
     if widths:
         counts: dict = {}
         for bits, group in widths.values():

@@ -78,14 +78,11 @@ from . import fixes as fixes_mod
 from . import layout
 from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, open_regular, read_json, shard_groups,
                          shard_name, tensor_bytes, write_index, write_safetensors)
-from .config import ModelConfig
-from .errors import CheckpointError, IncompleteHeadError, QmtpError, UsageError
-from .sizes import FLOAT32_SUFFIXES, UNQUANTIZED, is_router, sizes
+from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
+from .errors import IncompleteHeadError, QmtpError, UsageError
+from .sizes import sizes
+from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source
 
-BITS = (2, 3, 4, 5, 6, 8)
-"""Widths `convert` writes (mx.quantize also takes 1 bit; no loader expects it in a model)."""
-GROUP_SIZES = (32, 64, 128)
-ROUTER_GROUP_SIZE = 64  # mlx-lm's fixed group size for the router gates
 QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
 QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
 CACHE_FRACTION = 4  # of the largest tensor, kept by MLX for reuse while converting
@@ -119,22 +116,6 @@ class Conversion:
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------
-def parse_width(value, what: str, allow_unquantized: bool = True) -> int | None:
-    """A width argument: an int in BITS, or None / "bf16" / 16 for unquantized (where allowed)."""
-    if value is None or (isinstance(value, str) and value.lower() in ("bf16", "none")) or value == UNQUANTIZED:
-        if allow_unquantized:
-            return None
-        raise UsageError(f"{what}={value!r}: give a width in {BITS}")
-    try:
-        width = int(value)
-    except (TypeError, ValueError):
-        width = None
-    if width not in BITS or isinstance(value, bool) or (isinstance(value, float) and value != width):
-        extra = " or bf16 (unquantized)" if allow_unquantized else ""
-        raise UsageError(f"{what}={value!r} is not supported; MLX quantizes to {BITS} bits{extra}")
-    return width
-
-
 def _check_arguments(bits, group_size, mtp_bits, router_bits, lm_head_bits, shards):
     bits = parse_width(bits, "bits", allow_unquantized=False)
     if group_size not in GROUP_SIZES or isinstance(group_size, bool):
@@ -148,24 +129,25 @@ def _check_arguments(bits, group_size, mtp_bits, router_bits, lm_head_bits, shar
 
 
 def _width(value: int | None) -> int:
-    """convert's None (unquantized) as the `sizes` module spells it."""
-    return UNQUANTIZED if value is None else value
+    """Unquantized (None) as `sizes` takes it: there None means "as `bits`" for lm_head_bits."""
+    return UNQUANTIZED_BITS if value is None else value
 
 
 # ---- the source ---------------------------------------------------------------------------------------------
-def converted_reason(ckpt: Checkpoint, raw_config: dict, conv_shape) -> str | None:
+def converted_reason(source: Source) -> str | None:
     """Why a checkpoint already is a conversion (qmtp's, mlx-lm's, or another quantized one), or None."""
+    ckpt = source.ckpt
     if fixes_mod.METADATA_KEY in ckpt.metadata:
-        return f"its metadata records the fixes {list(fixes_mod.recorded(ckpt.metadata, ckpt.path))} as applied"
+        return f"its metadata records the fixes {list(source.recorded)} as applied"
     if ckpt.metadata.get("format") == "mlx":
         return "its safetensors metadata says format: mlx"
-    if "quantization" in raw_config or "quantization_config" in raw_config:
+    if "quantization" in source.raw_config or "quantization_config" in source.raw_config:
         return "its config.json has a quantization block"
     if any(n.endswith(layout.QUANTIZED_PARTS) for n in ckpt.names()):
         return "it holds quantized tensors (.scales/.biases)"
     if any(n.startswith(layout.MLX_TRUNK_PREFIX) for n in ckpt.names()):
         return f"its tensors are named as mlx-lm writes them ({layout.MLX_TRUNK_PREFIX}*)"
-    if fixes_mod.already_applied(ckpt.metadata, conv_shape, ckpt.path):
+    if source.carried:
         return "its conv kernels are in MLX layout [C, K, 1], so its norms are already shifted"
     return None
 
@@ -212,34 +194,27 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
         raise UsageError(f"{src}: no such checkpoint directory")
     if not src.is_dir():
         raise UsageError(f"{src}: give the checkpoint directory (with config.json), not a file")
-    config = ModelConfig.from_file(src)  # ConfigError when config.json is missing or unusable
-    raw_config = read_json(src / "config.json")
-    ckpt = Checkpoint(src)  # CheckpointError when there are no weights
-
-    plan = layout.plan(ckpt, config)
-    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    reason = converted_reason(ckpt, raw_config, conv_shape)
+    source = Source.open(src)
+    reason = converted_reason(source)
     if reason:
         raise UsageError(f"{src}: is already converted ({reason}); converting it again would shift the norms a "
                          f"second time: convert the original checkpoint instead")
-    fixes_mod.check_against_tensors(ckpt, plan, (), src)  # norms already shifted under a PyTorch conv layout
+    # No fix is carried here (that was refused above); the norms may still look shifted under a PyTorch conv layout.
+    fix_plan = source.fix_plan(fixes_mod.FIXES)
     _check_destination(src, dst, force)
     with _DestinationLock(dst) as lock:
-        return _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, plan, bits, group_size,
-                               mtp_bits, router_bits, lm_head_bits, shards, allow_incomplete_head, progress)
+        return _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_size, mtp_bits, router_bits,
+                               lm_head_bits, shards, allow_incomplete_head, progress)
 
 
-def _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, plan, bits, group_size, mtp_bits,
-                    router_bits, lm_head_bits, shards, allow_incomplete_head, progress) -> Conversion:
+def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_size, mtp_bits, router_bits,
+                    lm_head_bits, shards, allow_incomplete_head, progress) -> Conversion:
+    src, config, ckpt, plan = source.path, source.config, source.ckpt, source.plan
     _check_destination(src, dst, force)  # again, under the lock: another run may have finished meanwhile
 
-    widths = layout.quantization(ckpt, plan, config)  # empty here: quantized sources were refused above
-    layout.check_shapes(ckpt, plan, config, widths)
-    missing = layout.missing_trunk(plan, config)
-    if missing:
-        raise CheckpointError(f"{src}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); the "
-                        f"checkpoint is incomplete or of another layout")
-    head = _check_head(src, plan, config, allow_incomplete_head)
+    source.widths  # worked out here, so every stored shape is checked (empty: quantized sources were refused)
+    source.require_trunk()
+    head = _check_head(source, allow_incomplete_head)
     if plan.unknown:
         warnings.warn(f"{src}: {len(plan.unknown)} stored tensors match no tensor of the model and are not "
                       f"written (first: {plan.unknown[0]})", stacklevel=2)
@@ -252,11 +227,11 @@ def _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, pl
     tokenizer_files = _tokenizer_files(src)
     _check_disk_space(dst, needed + DISK_MARGIN + sum(f.stat().st_size for f in tokenizer_files))
 
-    applying = done = fixes_mod.FIXES  # a source with a fix already in it was refused above
+    done = fix_plan.result
     digest = source_digest(ckpt)
     settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
                     router_group_size=ROUTER_GROUP_SIZE, lm_head_bits=lm_head_bits, embed_bits=bits)
-    writer = _TensorWriter(ckpt, plan, config, policy, dtype, applying)
+    writer = _TensorWriter(ckpt, plan, config, policy, dtype, fix_plan.applying)
     metadata = {
         "format": "mlx",
         "qmtp.version": __version__,
@@ -276,7 +251,7 @@ def _convert_locked(src, dst, force, lock, started, config, raw_config, ckpt, pl
         largest = max(info.nbytes for info in ckpt.infos.values())
         cache_limit = min(largest // CACHE_FRACTION, MAX_CACHE_BYTES)
         files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=cache_limit)
-        config_out = dict(raw_config)
+        config_out = dict(source.raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = dict(config_out["quantization"])
         config_out["qmtp"] = {"version": __version__, "fixes": list(done), **settings, "head": head,
@@ -458,16 +433,17 @@ class _DestinationLock:
         return False
 
 
-def _check_head(src: Path, plan: layout.Plan, config: ModelConfig, allow_incomplete: bool) -> str:
-    if not config.has_mtp:
+def _check_head(source: Source, allow_incomplete: bool) -> str:
+    """The head as `Conversion.head` names it: "full", "shared expert only" or "none"."""
+    src, status = source.path, source.head_status()
+    if status == HEAD_NOT_DECLARED:
         return "none"
-    if not plan.head_present:
+    if status == HEAD_MISSING:
         warnings.warn(f"{src}: the config declares an MTP head but no mtp.* tensors are stored: the converted "
                       f"model has no head and cannot draft", stacklevel=3)
         return "none"
-    layout.check_head(plan, config, src)
-    if plan.head_has_routed_experts:
-        return "full"
+    if status == HEAD_FULL:
+        return HEAD_FULL
     if not allow_incomplete:
         raise IncompleteHeadError(
             f"{src}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.* absent), so it would draft "
@@ -478,7 +454,7 @@ def _check_head(src: Path, plan: layout.Plan, config: ModelConfig, allow_incompl
         f"with the head's shared expert alone and its acceptance will be far below the complete head's",
         stacklevel=3,
     )
-    return "shared expert only"
+    return HEAD_SHARED_ONLY
 
 
 def _check_disk_space(dst: Path, needed: int) -> None:
@@ -536,7 +512,7 @@ class _TensorWriter:
             t, key = policy[name], layout.mlx_name(name)
             following = self.names[i + 1] if i + 1 < len(self.names) else None
             if t.bits is None:
-                out_dtype = "F32" if name.endswith(FLOAT32_SUFFIXES) else dtype
+                out_dtype = "F32" if keeps_float32(name) else dtype
                 self._add(key, out_dtype, t.shape, lambda n=name, d=out_dtype, f=following: self._plain(n, d, f))
                 self.record[key] = {"bits": None, "group_size": None, "dtype": out_dtype}
             else:

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 
 from . import fixes as fixes_mod
 from .checkpoint import array_bytes, write_safetensors
+from .conventions import conv_to_torch, is_conv_kernel
 from .convert import replace_directory
 from .layout import stored_entries
 from .model import Model
@@ -30,8 +31,8 @@ def stored_form(name: str, w: mx.array) -> np.ndarray:
     w = w.astype(mx.float32)
     if fixes_mod.is_zero_centred_norm(name):
         w = w - 1.0
-    elif fixes_mod.is_conv_kernel(name):
-        w = w.moveaxis(1, 2)  # [C, K, 1] -> [C, 1, K]
+    elif is_conv_kernel(name):
+        w = conv_to_torch(w)
     return np.array(w)
 
 

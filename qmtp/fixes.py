@@ -15,6 +15,9 @@ fixes are in the weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .conventions import conv_in_mlx_layout, conv_to_mlx, is_conv_kernel
 from .errors import CheckpointError, UsageError
 
 FIXES = ("norm", "conv")
@@ -66,10 +69,6 @@ def is_zero_centred_norm(name: str) -> bool:
     return name in ZERO_CENTRED_NAMES or name.endswith(ZERO_CENTRED_SUFFIXES)
 
 
-def is_conv_kernel(name: str) -> bool:
-    return name.endswith(".linear_attn.conv1d.weight")
-
-
 def stored_conv_shape(ckpt, plan) -> tuple[int, ...] | None:
     """The shape a checkpoint stores its first conv kernel in (None without linear-attention layers): its
     layout tells whether the fixes were applied already."""
@@ -81,11 +80,6 @@ def shift_norm(w):
     import mlx.core as mx
 
     return (w.astype(mx.float32) + 1.0).astype(w.dtype)
-
-
-def conv_to_mlx(w):
-    """[C, 1, K] (PyTorch depthwise kernel) -> [C, K, 1] (MLX conv1d)."""
-    return w.moveaxis(2, 1)
 
 
 def apply(name: str, w, fixes: tuple[str, ...]):
@@ -114,17 +108,6 @@ def recorded(metadata: dict[str, str], where="checkpoint") -> tuple[str, ...] | 
 # The stored zero-centred norms: w near 0 before the fix, 1 + w near 1 after it. Their median mean lies on one
 # side of this line or the other (the bundled model's are around -0.15 stored; synthetic ones 0).
 SHIFTED_NORM_MEAN = 0.5
-
-
-def conv_in_mlx_layout(conv_shape) -> bool | None:
-    """True for [C, K, 1], False for [C, 1, K], None when there is no kernel or its shape says neither."""
-    if conv_shape is None or len(conv_shape) != 3:
-        return None
-    if conv_shape[-1] == 1 and conv_shape[1] != 1:
-        return True
-    if conv_shape[1] == 1 and conv_shape[-1] != 1:
-        return False
-    return None
 
 
 def norms_look_shifted(ckpt, plan) -> bool | None:
@@ -168,7 +151,7 @@ def already_applied(metadata: dict[str, str], conv_shape: tuple[int, ...] | None
     record = recorded(metadata, where)
     if record is not None:
         return record
-    if conv_shape is not None and len(conv_shape) == 3 and conv_shape[-1] == 1 and conv_shape[1] != 1:
+    if conv_in_mlx_layout(conv_shape):
         return FIXES
     return ()
 
@@ -178,7 +161,20 @@ def still_needed(carried: tuple[str, ...], has_conv: bool) -> tuple[str, ...]:
     return tuple(f for f in FIXES if f not in carried and (f != "conv" or has_conv))
 
 
-def to_apply(requested, metadata: dict[str, str], conv_shape) -> tuple[str, ...]:
-    """The requested fixes minus those already in the weights: never a second +1."""
-    done = already_applied(metadata, conv_shape)
-    return tuple(f for f in validate(requested) if f not in done)
+@dataclass(frozen=True)
+class FixPlan:
+    """Which fixes the stored weights carry, which are applied while reading them, and what is left out."""
+
+    carried: tuple[str, ...]
+    applying: tuple[str, ...]  # requested and not carried: never a second +1
+    has_conv: bool  # conv kernels stored (no linear-attention layers: none to fix)
+
+    @property
+    def result(self) -> tuple[str, ...]:
+        """The fixes in the weights once read, in FIXES order."""
+        return tuple(f for f in FIXES if f in self.carried or f in self.applying)
+
+    def warnings(self, where) -> list[str]:
+        """One message for each fix the weights are left without, saying what that does."""
+        return [f"{where}: loaded without the {fix!r} fix: {WITHOUT[fix]}"
+                for fix in still_needed(self.result, self.has_conv)]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import FLOAT_DTYPES, Checkpoint
 from .config import FULL, LINEAR, ModelConfig
+from .conventions import is_conv_kernel, torch_conv_shape
 from .errors import CheckpointError, IncompleteHeadError, TensorShapeError, UsageError
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
@@ -249,9 +250,9 @@ def stored_shapes(name: str, recipe: Recipe, want: tuple[int, ...],
                   config: ModelConfig) -> tuple[tuple[int, ...], ...]:
     """The shapes each stored source of `recipe` may have, for it to make `name` of shape `want`."""
     if recipe.op == "copy":
-        if name.endswith("conv1d.weight"):
+        if is_conv_kernel(name):
             # [C, 1, K] (PyTorch, as released) or [C, K, 1] (already in MLX layout): both are legitimate.
-            return (want[0], 1, want[1]), want
+            return torch_conv_shape(want), want
         return (want,)
     if recipe.op == "stack":  # one expert per source
         return (want[1:],)
@@ -506,7 +507,7 @@ def stored_entries(config: ModelConfig, layout: str, value_of, head: bool = True
 
     def stored_shape(name):
         s = shapes[name]
-        return (s[0], 1, s[1]) if name.endswith("conv1d.weight") else s
+        return torch_conv_shape(s) if is_conv_kernel(name) else s
 
     entries = []
     done = set()

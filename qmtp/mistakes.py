@@ -10,12 +10,8 @@ from __future__ import annotations
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fixes
+from .conventions import conv_to_torch, is_conv_kernel
 from .model import Model, load
-
-
-def _stored_conv(w):
-    """The kernel as the checkpoint stores it ([C, 1, K]), from the model's [C, K, 1]."""
-    return w.moveaxis(1, 2)
 
 
 CONV_MISTAKES = {
@@ -49,7 +45,7 @@ def with_conv_mistake(path, mistake: str) -> Model:
     """The model at `path` with its conv kernels converted the way `mistake` names."""
     transform = CONV_MISTAKES[mistake]
     model = load(path)
-    return _replace(model, lambda n, w: transform(_stored_conv(w)) if fixes.is_conv_kernel(n) else None)
+    return _replace(model, lambda n, w: transform(conv_to_torch(w)) if is_conv_kernel(n) else None)
 
 
 def with_norm_shift(path, shift: str) -> Model:

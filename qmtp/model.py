@@ -23,14 +23,14 @@ from . import layout
 from . import memory
 from .attention import GatedAttention, causal_mask
 from .cache import KVCache, LinearCache, ModelCache
-from .checkpoint import Checkpoint
 from .config import LINEAR, ModelConfig
+from .conventions import keeps_float32
 from .deltanet import GatedDeltaNet
 from .errors import CheckpointError, QmtpError, UsageError
 from .moe import SparseMoE
 from .mtp import MTPHead
 from .norms import RMSNorm
-from .sizes import FLOAT32_SUFFIXES
+from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
 
@@ -247,34 +247,21 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         if not isinstance(value, bool):
             raise UsageError(f"{flag}={value!r} must be True or False")
     requested_dtype, dtype = dtype, dtype or default_dtype()
-    config = ModelConfig.from_file(path)
-    ckpt = Checkpoint(path)
-    plan = layout.plan(ckpt, config)
-    widths = layout.quantization(ckpt, plan, config)
-    layout.check_shapes(ckpt, plan, config, widths)
-
-    missing = layout.missing_trunk(plan, config)
-    if missing:
-        raise CheckpointError(
-            f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); "
-            f"the checkpoint is incomplete or of another layout"
+    source = Source.open(path)
+    config, ckpt, plan, widths = source.config, source.ckpt, source.plan, source.widths
+    source.require_trunk()
+    status = source.head_status() if head else None  # head=False: the head is neither loaded nor checked
+    with_head = status in (HEAD_FULL, HEAD_SHARED_ONLY)
+    head_routed = status == HEAD_FULL
+    if status == HEAD_SHARED_ONLY:
+        warnings.warn(
+            f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
+            f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
+            f"that of the complete head.",
+            stacklevel=2,
         )
-    with_head = head and config.has_mtp and plan.head_present
-    head_routed = with_head and plan.head_has_routed_experts
-    if with_head:
-        layout.check_head(plan, config, path)
-        if not head_routed:
-            warnings.warn(
-                f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
-                f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
-                f"that of the complete head.",
-                stacklevel=2,
-            )
 
-    conv_shape = fixes_mod.stored_conv_shape(ckpt, plan)
-    done = fixes_mod.already_applied(ckpt.metadata, conv_shape, path)
-    fixes_mod.check_against_tensors(ckpt, plan, done, path)  # a record the tensors contradict is not believed
-    applying = fixes_mod.to_apply(requested, ckpt.metadata, conv_shape)
+    fix_plan = source.fix_plan(requested)  # a record the tensors contradict is not believed
     if config.tie_word_embeddings and any(layout.internal_name(n) == "lm_head.weight" for n in ckpt.names()):
         warnings.warn(f"{path}: config.json says tie_word_embeddings: true, but the checkpoint stores its own "
                       f"lm_head; following the config, lm_head is not used and embed_tokens scores the tokens",
@@ -295,9 +282,9 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     for name, recipe in plan.recipes.items():
         if name not in wanted:
             continue  # head tensors when the head is not loaded
-        w = fixes_mod.apply(name, reader.materialise(recipe), applying)
+        w = fixes_mod.apply(name, reader.materialise(recipe), fix_plan.applying)
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            kept = name.endswith(FLOAT32_SUFFIXES) or (compute_float32 and name.endswith("norm.weight"))
+            kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
             w = w.astype(mx.float32 if kept else dtype)
         mx.eval(w)
         weights.append((name, w))
@@ -309,9 +296,9 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     # the chapter on the fixes can show what MLX does with it.
     model.update(tree_unflatten(weights))
     model.eval()
-    model.fixes_applied = tuple(f for f in fixes_mod.FIXES if f in done or f in applying)
-    for fix in fixes_mod.still_needed(model.fixes_applied, has_conv=conv_shape is not None):
-        warnings.warn(f"{path}: loaded without the {fix!r} fix: {fixes_mod.WITHOUT[fix]}", stacklevel=2)
+    model.fixes_applied = fix_plan.result
+    for message in fix_plan.warnings(path):
+        warnings.warn(message, stacklevel=2)
     if not config.tie_word_embeddings:  # after quantize_layers: lm_head is its final module now
         model._lm_head_split = cores.split_lm_head(model.lm_head)
     model.path = path
@@ -342,11 +329,11 @@ def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
 
 def loaded_bytes(model: Model, dtype) -> int:
     """The bytes `model`'s weights take once loaded: quantized codes as stored, float weights in `dtype` (float32
-    for the FLOAT32_SUFFIXES ones). Read from the placeholders' shapes, which are never evaluated."""
+    for those `conventions.keeps_float32` names). Read from the placeholders' shapes, which are never evaluated."""
     total = 0
     for name, p in tree_flatten(model.parameters()):
         if mx.issubdtype(p.dtype, mx.floating):
-            total += p.size * (4 if name.endswith(FLOAT32_SUFFIXES) else dtype.size)
+            total += p.size * (4 if keeps_float32(name) else dtype.size)
         else:
             total += p.nbytes
     return total

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import FULL, ModelConfig
+from .conventions import is_router
 from .norms import RMSNorm
 
 
@@ -68,7 +69,7 @@ def with_weight_bits(head: MTPHead, bits: int, group_size: int = 64, router_bits
     def rounded(name: str, w: mx.array) -> mx.array:
         if w.ndim < 2 or w.shape[-1] % group_size:
             return w
-        width = router_bits if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) else bits
+        width = router_bits if is_router(name) else bits
         return mx.dequantize(*mx.quantize(w, group_size=group_size, bits=width), group_size=group_size, bits=width).astype(w.dtype)
 
     return _copy_into(head, MTPHead(head.config, routed_experts=head.has_routed_experts), rounded)

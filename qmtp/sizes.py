@@ -23,7 +23,8 @@ The conversion convention is mlx-lm's (`mlx_lm.convert` with the Qwen3.5/3.6 qua
   `mtp_bits=None` keeps the whole head, router gates included, in the checkpoint dtype. The head has no
   embedding or lm_head of its own (it shares the trunk's).
 
-Any width argument may be `UNQUANTIZED` (16) to keep those tensors in the checkpoint dtype.
+Any width argument may be `UNQUANTIZED` (16) to keep those tensors in the checkpoint dtype (None for
+`mtp_bits`; for `embed_bits` and `lm_head_bits` None means "as `bits`").
 Sizes are tensor data only: safetensors headers and config files are not counted (under a megabyte).
 """
 
@@ -33,16 +34,13 @@ import math
 from dataclasses import dataclass, field
 
 from .config import ModelConfig
+from .conventions import UNQUANTIZED_BITS, is_conv_kernel, is_head, is_router, keeps_float32, width_text
 from .errors import UsageError
 from .layout import expected_shapes
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
-UNQUANTIZED = 16
-"""A width meaning: not quantized, stored in the checkpoint dtype."""
-
-FLOAT32_SUFFIXES = (".A_log",)
-"""Tensors stored and loaded in float32 whatever the checkpoint dtype (convert writes them so, load keeps them
-so): the decay rates exp(A_log) are sensitive to rounding."""
+UNQUANTIZED = UNQUANTIZED_BITS
+"""The width argument meaning: not quantized, stored in the checkpoint dtype (held as None inside)."""
 
 CATEGORIES = (
     "routed experts",
@@ -65,7 +63,7 @@ def category(name: str, shape: tuple[int, ...]) -> str:
         return "routed experts"
     if ".mlp.shared_expert." in name:
         return "shared experts"
-    if name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight")):
+    if is_router(name):
         return "router and shared-expert gates"
     if ".self_attn." in name:
         return "attention"
@@ -78,10 +76,6 @@ def category(name: str, shape: tuple[int, ...]) -> str:
     if name == "mtp.fc.weight":
         return "mtp fc"
     raise ValueError(f"no size category for tensor {name!r}")  # a new tensor in layout.py: add a rule here
-
-
-def is_router(name: str) -> bool:
-    return name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
 
 
 @dataclass(frozen=True)
@@ -101,7 +95,7 @@ class TensorSize:
 
     @property
     def is_head(self) -> bool:
-        return self.name.startswith("mtp.")
+        return is_head(self.name)
 
 
 def quantized_bytes(shape: tuple[int, ...], bits: int, group_size: int, dtype_bytes: int) -> int:
@@ -144,21 +138,22 @@ class SizeReport:
     def format(self, unit: float = 1e9, unit_name: str = "GB") -> str:
         """The table as text, in `unit` (decimal gigabytes by default; 2**30 for GiB)."""
         s = self.settings
-        head = "bf16" if s.get("mtp_bits") in (None, UNQUANTIZED) else f"{s['mtp_bits']}-bit"
-        lines = [f"trunk {s.get('bits')}-bit, group {s.get('group_size')}, router {s.get('router_bits')}-bit, "
-                 f"head {head} ({unit_name})",
+        lines = [f"trunk {width_text(s.get('bits'))}, group {s.get('group_size')}, router "
+                 f"{width_text(s.get('router_bits'))}, head {width_text(s.get('mtp_bits'))} ({unit_name})",
                  f"{'category':<32}{'trunk':>10}{'head':>10}{'total':>10}"]
         for name, t, h, a in self.table():
             lines.append(f"{name:<32}{t / unit:>10.3f}{h / unit:>10.3f}{a / unit:>10.3f}")
         return "\n".join(lines)
 
 
-def _width(value: int | None, default: int, what: str) -> int:
-    w = default if value is None else value
-    if w != UNQUANTIZED and w not in SUPPORTED_BITS:
-        raise UsageError(f"{what}={w} is not a width MLX quantizes to ({SUPPORTED_BITS}) nor {UNQUANTIZED} "
+def _width(value: int, what: str) -> int | None:
+    """A width argument: bits MLX quantizes to, or UNQUANTIZED, which becomes None."""
+    if value == UNQUANTIZED:
+        return None
+    if value not in SUPPORTED_BITS:
+        raise UsageError(f"{what}={value} is not a width MLX quantizes to ({SUPPORTED_BITS}) nor {UNQUANTIZED} "
                          f"(unquantized)")
-    return w
+    return value
 
 
 def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: int | None = None,
@@ -172,11 +167,11 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
     `dtype_bytes` is the checkpoint dtype of everything not quantized and of scales and biases (2 for
     bf16/f16, 4 for f32). `router_group_size` is mlx-lm's fixed 64 for the router gates.
     """
-    bits = _width(bits, bits, "bits")
-    head_bits = _width(mtp_bits, UNQUANTIZED, "mtp_bits")
-    router_bits = _width(router_bits, router_bits, "router_bits")
-    embed_width = _width(embed_bits, bits, "embed_bits")
-    lm_head_width = _width(lm_head_bits, bits, "lm_head_bits")
+    bits = _width(bits, "bits")
+    head_bits = None if mtp_bits is None else _width(mtp_bits, "mtp_bits")
+    router_bits = _width(router_bits, "router_bits")
+    embed_width = bits if embed_bits is None else _width(embed_bits, "embed_bits")
+    lm_head_width = bits if lm_head_bits is None else _width(lm_head_bits, "lm_head_bits")
     for gs, what in ((group_size, "group_size"), (router_group_size, "router_group_size")):
         if gs not in SUPPORTED_GROUP_SIZES:
             raise UsageError(
@@ -187,9 +182,9 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
 
     tensors = []
     for name, shape in expected_shapes(config, head=True).items():
-        head = name.startswith("mtp.")
-        if head and head_bits == UNQUANTIZED:
-            width, gs = UNQUANTIZED, group_size  # an unquantized head keeps its router gates unquantized too
+        head = is_head(name)
+        if head and head_bits is None:
+            width, gs = None, group_size  # an unquantized head keeps its router gates unquantized too
         elif is_router(name):
             width, gs = router_bits, router_group_size
         elif name == "embed_tokens.weight":
@@ -198,15 +193,15 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
             width, gs = lm_head_width, group_size
         else:
             width, gs = (head_bits if head else bits), group_size
-        quantizable = len(shape) >= 2 and not name.endswith("conv1d.weight") and shape[-1] % gs == 0
-        if width != UNQUANTIZED and quantizable:
+        quantizable = len(shape) >= 2 and not is_conv_kernel(name) and shape[-1] % gs == 0
+        if width is not None and quantizable:
             nbytes = quantized_bytes(shape, width, gs, dtype_bytes)
             tensors.append(TensorSize(name, shape, category(name, shape), width, gs, nbytes))
         else:
-            element = 4 if name.endswith(FLOAT32_SUFFIXES) else dtype_bytes
+            element = 4 if keeps_float32(name) else dtype_bytes
             tensors.append(TensorSize(name, shape, category(name, shape), None, None, math.prod(shape) * element))
 
-    settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
+    settings = dict(bits=bits, group_size=group_size, mtp_bits=head_bits, router_bits=router_bits,
                     router_group_size=router_group_size, embed_bits=embed_width, lm_head_bits=lm_head_width,
                     dtype_bytes=dtype_bytes)
     return SizeReport.of(tensors, settings)
@@ -234,7 +229,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     counts = dict(trunk=0, head=0, routed_experts=0, active=0, head_active=0)
     for name, shape in shapes.items():
         n = math.prod(shape)
-        head = name.startswith("mtp.")
+        head = is_head(name)
         counts["head" if head else "trunk"] += n
         if ".mlp.experts." in name:
             used = n // E * k

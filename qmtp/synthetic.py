@@ -26,6 +26,7 @@ import numpy as np
 from . import fixes as fixes_mod
 from .checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
 from .config import QWEN36_35B_A3B, ModelConfig
+from .conventions import is_conv_kernel, torch_conv_shape
 from .errors import UsageError
 from .layout import LAYOUTS, expected_shapes, stored_entries
 
@@ -73,9 +74,8 @@ def stored_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = _rng(seed, name)
     if fixes_mod.is_zero_centred_norm(name):
         return rng.normal(0.0, 0.1, shape).astype(np.float32)
-    if name.endswith("conv1d.weight"):
-        C, K, _ = shape
-        return rng.normal(0.0, K**-0.5, (C, 1, K)).astype(np.float32)
+    if is_conv_kernel(name):
+        return rng.normal(0.0, shape[1] ** -0.5, torch_conv_shape(shape)).astype(np.float32)
     if name.endswith(".A_log"):
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if name.endswith(".dt_bias"):

@@ -46,6 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ModelConfig
+from .conventions import is_conv_kernel
 from .errors import QmtpError, UsageError
 from .model import Model
 
@@ -94,7 +95,7 @@ def initialise(model: Model, seed: int) -> None:
             value = np.log(rng.uniform(1.0, 16.0, shape))
         elif name.endswith(".dt_bias"):
             value = np.log(np.expm1(rng.uniform(0.001, 0.1, shape)))  # softplus^-1 of small time steps
-        elif name.endswith("conv1d.weight"):
+        elif is_conv_kernel(name):
             value = rng.normal(0.0, shape[1] ** -0.5, shape)
         elif name == "embed_tokens.weight":
             value = rng.normal(0.0, 1.0, shape)

@@ -1,9 +1,13 @@
 """`python -m qmtp doctor [MODEL] [--scan]`: the backend check, checkpoint completeness, fixes, NaN scan."""
 
+import warnings
+
 import numpy as np
 import pytest
 
 from qmtp import cli, quant, synthetic
+from qmtp import source as source_mod
+from qmtp.model import load
 from qmtp.checkpoint import Checkpoint
 from qmtp.convert import convert
 from helpers import one_line_error, rewrite
@@ -118,3 +122,43 @@ def test_no_such_model(capsys, tmp_path):
     status, _, err = run(capsys, tmp_path / "absent")
     assert status == 2
     one_line_error(err, "absent")
+
+
+# ---- one Source for load, convert and doctor ------------------------------------------------------------------
+# What each of the three reports about a head, keyed by `Source.head_status`.
+DOCTOR_HEAD_LINE = {source_mod.HEAD_FULL: "MTP head: complete", source_mod.HEAD_SHARED_ONLY: "no routed experts",
+                    source_mod.HEAD_MISSING: "MTP head: MISSING"}
+CONVERSION_HEAD = {source_mod.HEAD_FULL: "full", source_mod.HEAD_SHARED_ONLY: "shared expert only",
+                   source_mod.HEAD_MISSING: "none"}
+
+
+@pytest.mark.parametrize("kwargs, status", [({}, source_mod.HEAD_FULL),
+                                            (dict(head_experts=False), source_mod.HEAD_SHARED_ONLY),
+                                            (dict(head=False), source_mod.HEAD_MISSING)])
+def test_load_convert_and_doctor_see_the_same_head(capsys, tmp_path, kwargs, status):
+    path = write(tmp_path / "m", **kwargs)
+    source = source_mod.Source.open(path)
+    assert source.head_status() == status
+    assert not source.missing_trunk() and source.widths == {} and source.carried == ()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the incomplete and the missing head warn; their texts are tested elsewhere
+        model = load(path, tokenizer=False)
+        result = convert(path, tmp_path / "q", bits=4, group_size=32, progress=False, allow_incomplete_head=True)
+    assert (model.mtp is not None) == (status != source_mod.HEAD_MISSING)
+    assert model.mtp is None or model.mtp.has_routed_experts == (status == source_mod.HEAD_FULL)
+    assert result.head == CONVERSION_HEAD[status]
+    _, out, _ = run(capsys, path)
+    assert DOCTOR_HEAD_LINE[status] in out
+
+
+def test_source_of_a_conversion_agrees_with_load(converted):
+    source = source_mod.Source.open(converted)
+    assert source.recorded == source.carried == ("norm", "conv")
+    assert source.head_status() == source_mod.HEAD_FULL
+    plan = source.fix_plan(("norm", "conv"))
+    assert plan.applying == () and plan.warnings(converted) == []
+    model = load(converted, tokenizer=False)
+    assert model.fixes_applied == plan.result
+    quantized = {name: (m.bits, m.group_size) for name, m in model.named_modules() if hasattr(m, "bits")}
+    assert quantized == {name[: -len(".weight")]: width for name, width in source.widths.items()}

@@ -1,0 +1,105 @@
+"""One way to open a checkpoint directory: config, tensors, layout plan, widths, head status, carried fixes.
+
+`model.load`, `convert` and `python -m qmtp doctor` all open checkpoints through `Source.open`, so they agree
+on what a checkpoint holds. Past the config and the tensor listing, each part is worked out when first asked
+for: every caller keeps the order of its own checks, and so which error it reports first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from . import fixes as fixes_mod
+from . import layout
+from .checkpoint import Checkpoint, read_json
+from .config import ModelConfig
+from .errors import CheckpointError
+
+# What `Source.head_status` finds.
+HEAD_NOT_DECLARED = "not declared"  # config.json declares no MTP head
+HEAD_MISSING = "missing"  # declared, but no mtp.* tensor is stored
+HEAD_FULL = "full"
+HEAD_SHARED_ONLY = "shared expert only"  # no routed experts, as crippled conversions ship the head
+
+
+@dataclass
+class Source:
+    path: Path
+    config: ModelConfig
+    ckpt: Checkpoint
+
+    @classmethod
+    def open(cls, path) -> Source:
+        """Read config.json and list the tensors (headers only). `path` is an existing directory."""
+        path = Path(path)
+        config = ModelConfig.from_file(path)  # ConfigError when config.json is missing or unusable
+        return cls(path, config, Checkpoint(path))  # CheckpointError when there are no weights
+
+    @cached_property
+    def raw_config(self) -> dict:
+        """config.json as stored (a converter copies it; the quantization block marks a conversion)."""
+        return read_json(self.path / "config.json")
+
+    @cached_property
+    def plan(self) -> layout.Plan:
+        return layout.plan(self.ckpt, self.config)
+
+    @cached_property
+    def widths(self) -> dict[str, tuple[int, int]]:
+        """Internal weight name -> (bits, group_size) of each quantized weight; every stored shape checked."""
+        widths = layout.quantization(self.ckpt, self.plan, self.config)
+        layout.check_shapes(self.ckpt, self.plan, self.config, widths)
+        return widths
+
+    def missing_trunk(self) -> list[str]:
+        return layout.missing_trunk(self.plan, self.config)
+
+    def require_trunk(self) -> None:
+        """Refuse a checkpoint whose trunk lacks a tensor: nothing can run without it."""
+        missing = self.missing_trunk()
+        if missing:
+            raise CheckpointError(
+                f"{self.path}: trunk tensor {missing[0]} is missing ({len(missing)} missing in all); "
+                f"the checkpoint is incomplete or of another layout"
+            )
+
+    def head_status(self) -> str:
+        """HEAD_NOT_DECLARED, HEAD_MISSING, HEAD_FULL or HEAD_SHARED_ONLY; IncompleteHeadError for a stored head
+        that lacks some of its tensors (a head without any routed experts is HEAD_SHARED_ONLY, not an error)."""
+        if not self.config.has_mtp:
+            return HEAD_NOT_DECLARED
+        if not self.plan.head_present:
+            return HEAD_MISSING
+        layout.check_head(self.plan, self.config, self.path)
+        return HEAD_FULL if self.plan.head_has_routed_experts else HEAD_SHARED_ONLY
+
+    # ---- the fixes ----------------------------------------------------------------------------------------------
+    @cached_property
+    def conv_shape(self) -> tuple[int, ...] | None:
+        return fixes_mod.stored_conv_shape(self.ckpt, self.plan)
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_shape is not None
+
+    @cached_property
+    def recorded(self) -> tuple[str, ...] | None:
+        """The fixes a qmtp-written file records as applied; None without a record."""
+        return fixes_mod.recorded(self.ckpt.metadata, self.path)
+
+    @cached_property
+    def carried(self) -> tuple[str, ...]:
+        """The fixes already in the weights (the record, else what the conv layout says)."""
+        return fixes_mod.already_applied(self.ckpt.metadata, self.conv_shape, self.path)
+
+    def check_carried(self) -> None:
+        """CheckpointError when the tensors contradict `carried`: believing it would shift the norms wrongly."""
+        fixes_mod.check_against_tensors(self.ckpt, self.plan, self.carried, self.path)
+
+    def fix_plan(self, requested) -> fixes_mod.FixPlan:
+        """The fixes to apply when reading, for these requested ones: never one the weights already carry."""
+        requested = fixes_mod.validate(requested)
+        self.check_carried()
+        return fixes_mod.FixPlan(self.carried, tuple(f for f in requested if f not in self.carried), self.has_conv)
