@@ -322,8 +322,9 @@ def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
         if not chosen or dtype == mx.bfloat16:
             raise
     memory.check_fits(loaded_bytes(model, mx.bfloat16), f"{path}: loading the model (even in bfloat16)")
-    warnings.warn(f"{path}: the model does not fit in memory in {dtype}; loading it in bfloat16 (computing in "
-                  f"{dtype})", stacklevel=3)
+    name = str(dtype).replace("mlx.core.", "")
+    warnings.warn(f"{path}: the model does not fit in memory in {name}; loading it in bfloat16 (computing in "
+                  f"{name})", stacklevel=3)
     return mx.bfloat16
 
 
