@@ -14,13 +14,7 @@ import mlx.nn as nn
 from .config import ModelConfig
 from .norms import RMSNorm
 
-
-def causal_mask(n_new: int, offset: int) -> str | None:
-    """Which cached positions each of `n_new` queries (at positions offset..offset+n_new-1) may read.
-
-    MLX's "causal" mask aligns the queries with the last keys, so it also serves a verify pass over a
-    cache (offset > 0); a single query reads everything."""
-    return None if n_new == 1 else "causal"
+KV_STEP = 256  # a cache's KV buffers grow by this many positions, so that a decode step rarely copies them
 
 
 class GatedAttention(nn.Module):
@@ -43,12 +37,47 @@ class GatedAttention(nn.Module):
         )
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
+        """x [B, T, H] -> [B, T, H]: attention over x alone, or, with a `LayerCache`, over the positions it
+        holds and x (which it then holds too)."""
         offset = cache.offset if cache is not None else 0
-        q, k, v, gate = self.project(x, offset)
+        out, state = self.step(x, self.state_for(x, cache), mx.array(offset, mx.int32))
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask(x.shape[1], offset))
-        return self.output(out, gate)
+            cache.update(state, x.shape[1])
+        return out
+
+    def step(self, x: mx.array, buffers, offset: mx.array):
+        """The mixer as a function of its state: x [B, T, H] at positions offset.. and KV buffers
+        [B, H_kv, capacity, D] holding the positions before -> (output [B, T, H], the buffers with x's keys and
+        values written at offset..). Entries past the last position are not read, so the buffers' shape never
+        depends on how many positions they hold."""
+        keys, values = buffers
+        T, capacity = x.shape[1], keys.shape[2]
+        q, k, v, gate = self.project(x, offset)
+        start = offset.reshape(1)
+        keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
+        values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
+        visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]  # causal, and only valid entries
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=visible)
+        return self.output(out, gate), (keys, values)
+
+    def empty_state(self, batch: int, capacity: int, dtype) -> tuple[mx.array, mx.array]:
+        shape = (batch, self.n_kv_heads, capacity, self.head_dim)
+        return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+
+    def state_for(self, x: mx.array, cache) -> tuple[mx.array, mx.array]:
+        """The buffers to step x from: the cache's, grown (by KV_STEP) to hold x too, or, without a cache,
+        empty ones just long enough for x."""
+        B, T, _ = x.shape
+        if cache is None:
+            return self.empty_state(B, T, x.dtype)
+        end = cache.offset + T
+        capacity = -(-end // KV_STEP) * KV_STEP
+        if cache.state is None:
+            return self.empty_state(B, capacity, x.dtype)
+        if cache.state[0].shape[2] < end:
+            pad = [(0, 0), (0, 0), (0, capacity - cache.state[0].shape[2]), (0, 0)]
+            return tuple(mx.pad(b, pad) for b in cache.state)
+        return cache.state
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, L, H] at positions offset.. -> queries [B, H_q, L, D], keys and values [B, H_kv, L, D]

@@ -47,53 +47,15 @@ def empty_state(model, capacity: int, head: bool) -> dict:
     """Zero state for a batch of one: per layer (conv inputs, recurrent S) or (keys, values) buffers of
     `capacity` positions; `offset` the positions held. With `head`, the MTP head's KV buffers too."""
     dtype = model.dtype
-    state = {"layers": [], "offset": mx.array(0, mx.int32)}
-    for layer in model.layers:
-        if layer.kind == LINEAR:
-            mixer = layer.linear_attn
-            state["layers"].append((mx.zeros((1, mixer.kernel - 1, mixer.conv_dim), dtype),
-                                    mx.zeros((1, mixer.n_v_heads, mixer.k_dim, mixer.v_dim), mx.float32)))
-        else:
-            state["layers"].append(_kv_buffers(layer.self_attn, capacity, dtype))
+    state = {"layers": [layer.empty_state(1, capacity, dtype) for layer in model.layers],
+             "offset": mx.array(0, mx.int32)}
     if head:
-        state["head"] = _kv_buffers(model.mtp.layers[0].self_attn, capacity, dtype)
+        state["head"] = model.mtp.layers[0].empty_state(1, capacity, dtype)
         state["head_offset"] = mx.array(0, mx.int32)
     return state
 
 
-def _kv_buffers(attention, capacity: int, dtype):
-    shape = (1, attention.n_kv_heads, capacity, attention.head_dim)
-    return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-
-
-# ---- one layer over the state -------------------------------------------------------------------------------
-def _attend(attention, x: mx.array, buffers, offset: mx.array):
-    """Gated attention of x [1, T, H] at positions offset.. over KV buffers: (output, new buffers)."""
-    keys, values = buffers
-    T, capacity = x.shape[1], keys.shape[2]
-    q, k, v, gate = attention.project(x, offset)
-    start = offset.reshape(1)
-    keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
-    values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
-    visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]  # causal, and only valid entries
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attention.scale, mask=visible)
-    return attention.output(out, gate), (keys, values)
-
-
-def layer_step(layer, x: mx.array, layer_state, offset: mx.array, record: bool):
-    """One decoder layer over x [1, T, H]: (output, chosen experts [T, k] or None, new state). With `record`
-    a linear-attention layer returns its state after every position, stacked: (conv [T, 1, K-1, C], S [T, ...])."""
-    normed = layer.input_layernorm(x)
-    if layer.kind == LINEAR:
-        past, recurrent = layer_state
-        mixed, conv, recurrent, history = layer.linear_attn.step(normed, past, recurrent, record)
-        new_state = (mx.stack([c for c, _ in history]), mx.stack([s for _, s in history])) if record else (conv, recurrent)
-    else:
-        mixed, new_state = _attend(layer.self_attn, normed, layer_state, offset)
-    y, indices = layer._finish(x, mixed)
-    return y, indices, new_state
-
-
+# ---- the trunk and the head over the state ------------------------------------------------------------------
 def trunk_step(model, tokens: mx.array, state: dict, record: bool):
     """The trunk over tokens [1, T] from `state`: (its output before and after the final norm [1, T, H], the
     experts each layer chose, the layers' new states, recorded per position for linear attention when
@@ -101,7 +63,7 @@ def trunk_step(model, tokens: mx.array, state: dict, record: bool):
     x = model.embed(tokens)
     experts, layers = [], []
     for layer, layer_state in zip(model.layers, state["layers"]):
-        x, indices, new_state = layer_step(layer, x, layer_state, state["offset"], record)
+        x, new_state, indices, _ = layer.step(x, layer_state, state["offset"], record)
         experts.append(indices)
         layers.append(new_state)
     return x, model.norm(x), experts, layers
@@ -124,7 +86,7 @@ def head_step(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.a
     """The head over (trunk or head states [1, T, H], the tokens after them [1, T]) at head positions at..:
     (its post-norm states [1, T, H], its new KV buffers)."""
     z = head.combine(hidden, model.embed(tokens))
-    z, _, buffers = layer_step(head.layers[0], z, buffers, at, record=False)
+    z, buffers, _, _ = head.layers[0].step(z, buffers, at)
     return head.norm(z), buffers
 
 

@@ -80,25 +80,27 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(config.linear_value_dim, H, bias=False)
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
-        B = x.shape[0]
-        past = cache.conv if cache is not None else None
-        if past is None:
-            past = mx.zeros((B, self.kernel - 1, self.conv_dim), x.dtype)
-        state = cache.recurrent if cache is not None else None
-        if state is None:
-            state = mx.zeros((B, self.n_v_heads, self.k_dim, self.v_dim), mx.float32)
-        record = cache is not None and cache.record
-        out, conv, state, history = self.step(x, past, state, record)
+        """x [B, T, H] -> [B, T, H]: from the empty state, or from a `LayerCache`'s (which then holds the new one)."""
+        out, state = self.step(x, self.state_for(x, cache))
         if cache is not None:
-            cache.conv, cache.recurrent = conv, state
-            cache.offset += x.shape[1]
-            if record:
-                cache.history = history
+            cache.update(state, x.shape[1])
         return out
 
-    def step(self, x: mx.array, past: mx.array, state: mx.array, record: bool = False):
-        """The layer as a function of its state: (x [B, T, H], the last K-1 conv inputs, S) -> (output, the
-        new last K-1 conv inputs, the new S, and with `record` the pair (conv inputs, S) after every position)."""
+    def empty_state(self, batch: int, dtype) -> tuple[mx.array, mx.array]:
+        """No past: zero conv inputs [B, K-1, C] (in the activations' dtype) and S [B, Hv, Dk, Dv] (float32)."""
+        return (mx.zeros((batch, self.kernel - 1, self.conv_dim), dtype),
+                mx.zeros((batch, self.n_v_heads, self.k_dim, self.v_dim), mx.float32))
+
+    def state_for(self, x: mx.array, cache) -> tuple[mx.array, mx.array]:
+        if cache is None or cache.state is None:
+            return self.empty_state(x.shape[0], x.dtype)
+        return cache.state
+
+    def step(self, x: mx.array, state, record: bool = False):
+        """The mixer as a function of its state: (x [B, T, H], (the last K-1 conv inputs, S)) -> (output, the
+        new state). With `record` the new state is the state after every position, stacked on a new first axis
+        ([T, B, K-1, C], [T, B, Hv, Dk, Dv]), so that a verify pass can keep any prefix."""
+        past, recurrent = state
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(B, T, self.n_v_heads, self.v_dim)
@@ -118,8 +120,11 @@ class GatedDeltaNet(nn.Module):
         if repeat > 1:
             q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
 
-        out, state, states = gated_delta_recurrence(q, k, v, g, beta, state, record)
+        out, recurrent, states = gated_delta_recurrence(q, k, v, g, beta, recurrent, record)
         keep = self.kernel - 1
-        history = [(conv_in[:, t + 1: t + 1 + keep], s) for t, s in enumerate(states)]
+        if record:
+            new_state = (mx.stack([conv_in[:, t + 1: t + 1 + keep] for t in range(T)]), mx.stack(states))
+        else:
+            new_state = (conv_in[:, -keep:], recurrent)
         out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(B, T, -1)), conv_in[:, -keep:], state, history
+        return self.out_proj(out.reshape(B, T, -1)), new_state

@@ -21,107 +21,20 @@ from . import cores
 from . import fixes as fixes_mod
 from . import layout
 from . import memory
-from .attention import GatedAttention, causal_mask
-from .cache import KVCache, LinearCache, ModelCache
-from .config import LINEAR, ModelConfig
+from .cache import LayerCache, ModelCache
+from .config import ModelConfig
 from .conventions import keeps_float32
-from .deltanet import GatedDeltaNet
 from .errors import CheckpointError, QmtpError, UsageError
-from .moe import SparseMoE
+from .layer import DecoderLayer
 from .mtp import MTPHead
 from .norms import RMSNorm
 from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
 
-# Decode and verify passes (a few tokens, with a cache) run each layer as compiled functions of its input
-# and its state: mx.compile traces the layer once per input shape, fuses its elementwise work and replays
-# the graph without Python. Prefill and training, whose shapes vary, run the same code eagerly. Set
-# QMTP_COMPILE=0 (or `qmtp.model.COMPILE = False`) to run everything eagerly; the results are the same.
+# speculative compiles each decoding step (`qmtp.decoding.step`) with mx.compile; QMTP_COMPILE=0 runs it
+# eagerly, with the same results. Kept here, where speculative reads it.
 COMPILE = os.environ.get("QMTP_COMPILE", "1") != "0"
-COMPILE_MAX_TOKENS = 16
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, kind: str, routed_experts: bool = True):
-        super().__init__()
-        self.kind = kind
-        if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = GatedAttention(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config, routed_experts=routed_experts)
-        self._steps = None  # the compiled decode step, built on first use
-
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        if cache is not None and COMPILE and x.shape[1] <= COMPILE_MAX_TOKENS and self.mlp.balance_log is None:
-            return self._compiled_step(x, cache)
-        mixer = self.linear_attn if self.kind == LINEAR else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _finish(self, x: mx.array, mixed: mx.array) -> tuple[mx.array, mx.array | None]:
-        """The residual around the mixer, then the MoE and its residual; also the experts chosen."""
-        h = x + mixed
-        out, indices, _ = self.mlp.forward(self.post_attention_layernorm(h))
-        return h + out, indices
-
-    # ---- the same layer, compiled for decoding -------------------------------------------------------------
-    def _compiled_step(self, x: mx.array, cache) -> mx.array:
-        if self._steps is None:
-            self._steps = _CompiledSteps(self)
-        steps = self._steps
-        if self.kind == LINEAR:
-            B = x.shape[0]
-            mixer = self.linear_attn
-            past = cache.conv if cache.conv is not None else mx.zeros((B, mixer.kernel - 1, mixer.conv_dim), x.dtype)
-            state = cache.recurrent
-            if state is None:
-                state = mx.zeros((B, mixer.n_v_heads, mixer.k_dim, mixer.v_dim), mx.float32)
-            if cache.record:
-                y, indices, cache.conv, cache.recurrent, history = steps.linear_recorded(x, past, state)
-                cache.history = list(zip(history[0::2], history[1::2]))
-            else:
-                y, indices, cache.conv, cache.recurrent = steps.linear(x, past, state)
-            cache.offset += x.shape[1]
-        else:
-            offset = cache.offset
-            q, k, v, gate = steps.project(x, mx.array(offset))
-            k, v = cache.update_and_fetch(k, v)
-            out = mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=self.self_attn.scale, mask=causal_mask(x.shape[1], offset)
-            )
-            y, indices = steps.finish_attention(x, out, gate)
-        self.mlp.log(indices)
-        return y
-
-
-class _CompiledSteps:
-    """A layer's decode step as compiled pure functions. The layer's parameters are implicit inputs
-    (`inputs=layer.state`), read at every call, so weights loaded or changed later are used."""
-
-    def __init__(self, layer: DecoderLayer):
-        def linear(x, past, state):
-            mixed, conv, state, _ = layer.linear_attn.step(layer.input_layernorm(x), past, state)
-            y, indices = layer._finish(x, mixed)
-            return y, indices, conv, state
-
-        def linear_recorded(x, past, state):
-            mixed, conv, state, history = layer.linear_attn.step(layer.input_layernorm(x), past, state, True)
-            y, indices = layer._finish(x, mixed)
-            return y, indices, conv, state, [a for pair in history for a in pair]
-
-        def project(x, offset):
-            return layer.self_attn.project(layer.input_layernorm(x), offset)
-
-        def finish_attention(x, out, gate):
-            return layer._finish(x, layer.self_attn.output(out, gate))
-
-        for name, fn in dict(linear=linear, linear_recorded=linear_recorded, project=project,
-                             finish_attention=finish_attention).items():
-            setattr(self, name, mx.compile(fn, inputs=layer.state))
 
 
 class Model(nn.Module):
@@ -187,8 +100,7 @@ class Model(nn.Module):
         return self.require_head()(h[:, :-1], self.embed(tokens[:, 1:]))
 
     def make_cache(self) -> ModelCache:
-        layers = [LinearCache() if kind == LINEAR else KVCache() for kind in self.config.layer_types]
-        return ModelCache(layers, KVCache() if self.mtp is not None else None)
+        return ModelCache([LayerCache() for _ in self.layers], LayerCache() if self.mtp is not None else None)
 
     @property
     def dtype(self):

@@ -161,8 +161,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """x [..., H] -> (output [..., H], chosen experts [N, k], router logits [N, E]); no logging.
 
-        The experts and logits are None for a layer without routed experts. Pure: the compiled decode step
-        (`qmtp.model.DecoderLayer`) calls this and hands the chosen experts to the routing log itself.
+        The experts and logits are None for a layer without routed experts. Pure, so that the decoding step,
+        which is compiled, can call it (`qmtp.layer.DecoderLayer.step`); the layer's eager call logs them.
         """
         shape = x.shape
         flat = x.reshape(-1, shape[-1])

@@ -17,14 +17,13 @@ import mlx.nn as nn
 
 from .config import FULL, ModelConfig
 from .conventions import is_router
+from .layer import DecoderLayer
 from .norms import RMSNorm
 
 
 class MTPHead(nn.Module):
     def __init__(self, config: ModelConfig, routed_experts: bool = True):
         super().__init__()
-        from .model import DecoderLayer  # the head's layer is a trunk layer; imported late to avoid a cycle
-
         H, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.pre_fc_norm_embedding = RMSNorm(H, eps)

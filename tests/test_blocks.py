@@ -20,7 +20,7 @@ import pytest
 from mlx.utils import tree_unflatten
 
 import qmtp
-from qmtp.cache import KVCache, LinearCache
+from qmtp.cache import LayerCache
 from qmtp.config import FULL, LINEAR
 from qmtp.fixes import is_conv_kernel, is_zero_centred_norm
 from qmtp.norms import GatedRMSNorm, RMSNorm
@@ -187,10 +187,10 @@ def test_gated_attention(case):
 
 
 def test_gated_attention_with_kv_cache(case):
-    """Chunks of 3, 1 and 3 tokens through a KVCache equal the one-shot reference, keys included."""
+    """Chunks of 3, 1 and 3 tokens through a LayerCache equal the one-shot reference, keys included."""
     i = case.layers_of(FULL)[0]
     attn, prefix = case.model.layers[i].self_attn, f"layers.{i}.self_attn."
-    cache = KVCache()
+    cache = LayerCache()
     full, (keys, values) = ref.gated_attention(case.w, prefix, case.x, case.cfg)
     past = None
     for a, b in ((0, 3), (3, 4), (4, 7)):
@@ -199,8 +199,8 @@ def test_gated_attention_with_kv_cache(case):
         check("attention (KV cache)", got, want)
         check("attention (KV cache)", got, full[:, a:b])
     assert cache.offset == T
-    check("attention cached keys", cache.keys[:, :, :T], keys)
-    check("attention cached keys", cache.values[:, :, :T], values)
+    check("attention cached keys", cache.state[0][:, :, :T], keys)
+    check("attention cached keys", cache.state[1][:, :, :T], values)
 
 
 def test_gated_deltanet(case):
@@ -212,11 +212,11 @@ def test_gated_deltanet(case):
 
 @pytest.mark.parametrize("chunks", [(3, 1, 3), (1, 1, 5)])
 def test_gated_deltanet_decode(case, chunks):
-    """Chunked decoding through a LinearCache: outputs, recurrent state and conv state match the reference."""
+    """Chunked decoding through a LayerCache: outputs, recurrent state and conv state match the reference."""
     i = case.layers_of(LINEAR)[0]
     la, prefix = case.model.layers[i].linear_attn, f"layers.{i}.linear_attn."
     full, _, _ = ref.gated_deltanet(case.w, prefix, case.x, case.cfg)
-    cache, conv, state, start = LinearCache(), None, None, 0
+    cache, conv, state, start = LayerCache(), None, None, 0
     for n in chunks:
         x = case.x[:, start:start + n]
         got = la(mx.array(x), cache)
@@ -224,29 +224,28 @@ def test_gated_deltanet_decode(case, chunks):
         check("deltanet (decode)", got, want)
         check("deltanet (decode)", got, full[:, start:start + n])
         start += n
-        check("deltanet state", cache.recurrent, state)
-        check("deltanet conv state", cache.conv, conv)
+        check("deltanet state", cache.state[1], state)
+        check("deltanet conv state", cache.state[0], conv)
     assert cache.offset == T
     c = case.cfg
-    assert cache.recurrent.shape == (B, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    assert cache.state[1].shape == (B, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 def test_gated_deltanet_rewind(case):
-    """Speculative rollback: verify 4 tokens with record=True, keep 2, continue: equals the reference."""
+    """Speculative rollback: verify 4 tokens recording the state after each, keep 2, continue: equals the reference."""
     i = case.layers_of(LINEAR)[0]
     la, prefix = case.model.layers[i].linear_attn, f"layers.{i}.linear_attn."
     full, _, _ = ref.gated_deltanet(case.w, prefix, case.x, case.cfg)
-    cache = LinearCache()
-    la(mx.array(case.x[:, :2]), cache)
-    cache.record = True
-    la(mx.array(case.x[:, 2:6]), cache)  # 4 positions verified
-    cache.rewind(2)  # keep positions 2 and 3
-    cache.record = False
-    assert cache.offset == 4
-    _, conv, state = ref.gated_deltanet(case.w, prefix, case.x[:, :4], case.cfg)
-    check("deltanet state (rewind)", cache.recurrent, state)
-    check("deltanet conv state", cache.conv, conv)
-    check("deltanet (decode)", la(mx.array(case.x[:, 4:7]), cache), full[:, 4:7])
+    x = mx.array(case.x)
+    _, state = la.step(x[:, :2], la.empty_state(B, x.dtype))
+    _, recorded = la.step(x[:, 2:6], state, record=True)  # 4 positions verified
+    assert recorded[0].shape[0] == recorded[1].shape[0] == 4
+    conv, recurrent = (s[1] for s in recorded)  # keep positions 2 and 3
+    _, want_conv, want_state = ref.gated_deltanet(case.w, prefix, case.x[:, :4], case.cfg)
+    check("deltanet state (rewind)", recurrent, want_state)
+    check("deltanet conv state", conv, want_conv)
+    got, _ = la.step(x[:, 4:7], (conv, recurrent))
+    check("deltanet (decode)", got, full[:, 4:7])
 
 
 def test_sparse_moe(case):
@@ -315,7 +314,7 @@ def test_mtp_head_with_cache(case):
     want, _ = ref.mtp_state(case.w, h[:, :-1], emb, case.cfg)
     h_mx = case.model.hidden_states(mx.array(case.tokens))[:, :-1]
     e_mx = case.model.embed_tokens(mx.array(case.tokens[:, 1:]))
-    cache = KVCache()
+    cache = LayerCache()
     for a, b in ((0, 3), (3, 4), (4, 6)):
         check("mtp state (KV cache)", case.model.mtp(h_mx[:, a:b], e_mx[:, a:b], cache), want[:, a:b])
 
@@ -376,7 +375,7 @@ def test_norm_fix_only_fails_loudly_at_forward(case):
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
         mx.eval(m.mtp_logits(tokens))
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
-        mx.eval(m.layers[case.layers_of(LINEAR)[0]].linear_attn(mx.array(case.x[:, :1]), LinearCache()))
+        mx.eval(m.layers[case.layers_of(LINEAR)[0]].linear_attn(mx.array(case.x[:, :1]), LayerCache()))
     i_full = case.layers_of(FULL)[0]
     x = mx.array(case.x)
     assert rel_err(np.array(m.layers[i_full](x)), np.array(case.model.layers[i_full](x))) == 0.0

@@ -77,16 +77,19 @@ def test_snapshot_restore_is_exact(model):
 
 
 def test_recorded_states_rewind_to_any_prefix(model):
+    """The decoding step's roll back: a pass over 4 tokens recording every position, cut back to `keep` of them,
+    then the rest of the tokens: the full forward's logits."""
+    from qmtp import decoding
+
     full = np.array(model(TOKENS))
+    state = decoding.empty_state(model, 32, head=False)
+    _, _, _, state["layers"] = decoding.trunk_step(model, TOKENS[:, :6], state, record=False)
+    state["offset"] = mx.array(6, mx.int32)
+    _, _, _, recorded = decoding.trunk_step(model, TOKENS[:, 6:10], state, record=True)
     for keep in range(1, 5):
-        cache = model.make_cache()
-        model(TOKENS[:, :6], cache)
-        cache.set_record(True)
-        model(TOKENS[:, 6:10], cache)
-        cache.rewind(keep, 4)
-        cache.set_record(False)
-        rest = np.array(model(TOKENS[:, 6 + keep:], cache))
-        assert relative_error(rest, full[:, 6 + keep:]) < 1e-5
+        kept = {"layers": decoding.keep_prefix(model, recorded, mx.array(keep)), "offset": mx.array(6 + keep)}
+        _, post, _, _ = decoding.trunk_step(model, TOKENS[:, 6 + keep:], kept, record=False)
+        assert relative_error(np.array(model.logits(post)), full[:, 6 + keep:]) < 1e-5
 
 
 def test_mtp_logits_shape_and_prenorm_option(model):

@@ -434,16 +434,17 @@ def test_the_context_check_is_exact(short_context, monkeypatch, n_draft):
     with pytest.raises(UsageError, match=f"ask for at most {fits} new tokens"):
         qmtp.generate(short_context, prompt, max_tokens=fits + 1, n_draft=n_draft)
 
-    from qmtp import decoding, speculative
+    from qmtp import speculative
+    from qmtp.attention import GatedAttention
 
     largest = []  # the end of every block of positions written into a KV buffer, trunk and head
-    attend = decoding._attend
+    attend = GatedAttention.step
 
     def watched(attention, x, buffers, offset):
         largest.append(offset.item() + x.shape[1])
         return attend(attention, x, buffers, offset)
 
-    monkeypatch.setattr(decoding, "_attend", watched)
+    monkeypatch.setattr(GatedAttention, "step", watched)
     monkeypatch.setattr(speculative, "COMPILE", False)  # eager, so that every pass's offset can be read
     short_context.__dict__.pop("_decode_steps", None)
     g = qmtp.generate(short_context, prompt, max_tokens=fits, n_draft=n_draft, stop_at_eos=False)

@@ -11,7 +11,7 @@ import pytest
 
 import qmtp
 from qmtp import evaluate, train
-from qmtp.cache import KVCache
+from qmtp.cache import LayerCache
 
 
 def run_train(*args):
@@ -107,7 +107,7 @@ def test_chained_unroll_is_what_drafting_with_a_cache_computes():
     states = train.chained_head_states(model.mtp, h[:, :-1], embedded, 4)
     assert np.array_equal(np.array(states[0]), np.array(model.head_states(h, inputs)))
     for t in (0, 7, 40):
-        cache = KVCache()
+        cache = LayerCache()
         z = model.mtp(h[:, : t + 1], embedded[:, : t + 1], cache)[:, -1:]
         drafted = [z]
         for j in range(2, 5):
