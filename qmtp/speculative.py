@@ -64,8 +64,8 @@ class Stats:
 
     @property
     def widths(self) -> list[int]:
-        """Each step's n_draft: its pending token and its drafts."""
-        return [1 + len(s.drafts) for s in self.steps]
+        """Each step's n_draft (with "auto", the width chosen): its tokens per pass."""
+        return self.tokens_per_pass
 
     @property
     def tokens_per_pass(self) -> list[int]:
