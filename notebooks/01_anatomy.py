@@ -41,8 +41,9 @@
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import inventory, plots, results, sizes
-from qmtp.claims import CLAIMS
+from qmtp import sizes
+from qmtp.book import inventory, plots, results
+from qmtp.book.claims import CLAIMS
 
 path = inventory.model_path()
 print(inventory.describe(path))

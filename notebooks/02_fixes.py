@@ -46,13 +46,48 @@ import matplotlib.pyplot as plt
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import evaluate, inventory, mistakes, results
+from qmtp.book import evaluate, inventory, mistakes, results
 
 warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
 path = inventory.model_path()
 print(inventory.describe(path))
 texts = evaluate.heldout_texts(8)
 prompt = "Once upon a time, a little fox named"
+
+# %% [markdown]
+# ## The two fixes, in the code
+#
+# Both fixes are small functions of one tensor, applied once as the checkpoint is read (`qmtp.load`) or
+# converted (`qmtp.convert`); the loader decides which to apply from the fixes the file records as already
+# carried. `apply` picks a fix by the tensor's name:
+#
+# ```{literalinclude} ../qmtp/fixes.py
+# :pyobject: apply
+# :language: python
+# ```
+#
+# The norm fix adds one in float32, so that a bfloat16 weight near zero is not rounded before the shift:
+#
+# ```{literalinclude} ../qmtp/fixes.py
+# :pyobject: shift_norm
+# :language: python
+# ```
+#
+# and the model's norm then multiplies by the stored weight as it is, which is why the weight must already be
+# `1 + w` when it arrives:
+#
+# ```{literalinclude} ../qmtp/norms.py
+# :pyobject: RMSNorm
+# :language: python
+# ```
+#
+# The conv fix moves one axis. The kernel's middle axis has length one in PyTorch's layout, so the move is
+# also a reshape, and the taps keep their order:
+#
+# ```{literalinclude} ../qmtp/conventions.py
+# :pyobject: conv_to_mlx
+# :language: python
+# ```
 
 # %% [markdown]
 # ## Each fix alone, both, neither

@@ -49,7 +49,7 @@ import qmtp
 from IPython.display import Markdown
 from mlx.utils import tree_flatten, tree_map
 from myst_nb import glue
-from qmtp import evaluate, inventory
+from qmtp.book import evaluate, inventory
 from qmtp.convert import convert
 
 path = inventory.model_path()
@@ -157,6 +157,29 @@ print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 # mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from
 # qmtp's on the same file by at most {glue:text}`mlxlm_relerr:.1e` relative: the same trunk, without the
 # head that drafts.
+
+# %% [markdown]
+# ## How this converter differs from the seed's
+#
+# The converter of the engine this book started from (lemon-mlx-engine's `convert`) writes the same kind of
+# file: one `model.safetensors` with `format: mlx`, head keys under `mtp.`, the head's experts stacked as
+# `switch_mlp`, a `quantization` block in `config.json`, the router at 8 bits, the norms shifted in float32,
+# the tokenizer files copied. Where the two differ, qmtp follows mlx-lm or what this book measures:
+#
+# - **the head's width**: the seed quantizes the head at `--bits`; qmtp keeps it in bf16 (`mtp_bits=None`,
+#   chapter 4 measures what quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at
+#   the router width, as in the trunk;
+# - **`lm_head`**: the seed defaults to 8 bits, qmtp to `bits`, as mlx-lm does (`lm_head_bits=8` gives the
+#   seed's);
+# - **`shared_expert_gate`**: the seed's router rule matches only `mlp.gate`, so it quantizes this `[1, H]` gate
+#   at `--bits`; qmtp, like mlx-lm, keeps it at the router width;
+# - **the `quantization` block**: the seed writes only the default `{group_size, bits}`, with which its own
+#   loader reads an 8-bit router as 4-bit and refuses the file; qmtp writes an entry for every module stored
+#   at another width, as mlx-lm does;
+# - **the fixes**: the seed shifts the norms unconditionally, so converting a converted model shifts them twice
+#   (chapter 2 shows what that does); qmtp records the fixes in the file and refuses a converted source;
+# - **memory**: the seed loads the whole model before writing; qmtp holds one tensor group at a time, writes
+#   into a temporary folder and renames it into place only when everything is written.
 
 # %% [markdown]
 # ## What a conversion costs

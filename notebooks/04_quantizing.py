@@ -47,7 +47,8 @@ import numpy as np
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import evaluate, inventory, plots, quality, quant, results, sizes
+from qmtp import quant, sizes
+from qmtp.book import evaluate, inventory, plots, quality, results
 from qmtp.convert import convert
 
 warnings.simplefilter("ignore", UserWarning)
@@ -108,6 +109,40 @@ for bits in (2, 3, 4, 5, 6, 8):
         rows.append({"bits": bits, "group": group_size, "bit-exact with mx.quantize": same, "relative RMS error": error})
 assert all(r["bit-exact with mx.quantize"] for r in rows)
 Markdown(inventory.markdown_table(rows, list(rows[0]), {"relative RMS error": "{:.4f}"}))
+
+# %% [markdown]
+# ## What the published description leaves out
+#
+# The description of `mx.quantize` that circulates with the Qwen3-Next conversions (the steps above, for 2 to 8
+# bits; MLX's own `mlx/backend/cpu/quantized.cpp` is the source) is right about every step it names, and
+# silent on three cases that the reference had to learn from MLX itself. Each is checked here on the installed
+# MLX:
+#
+# - **one bit**: MLX accepts `bits=1` and quantizes it without the edge anchoring: the bias is the group's
+#   minimum and the one step spans the whole range;
+# - **tiny constant groups**: a constant group whose value is below half the step's floor of 1e-7 gets no
+#   anchor and decodes to 0.0, while a larger constant decodes exactly to itself;
+# - **bfloat16 weights**: the scales and biases are stored in bfloat16, but the codes were computed from their
+#   float32 values, so a kernel's `scale * code + bias` in bfloat16 is not quite what the codes were chosen
+#   for (`quant.dequantize(..., bfloat16=True)` reproduces what MLX returns).
+
+# %%
+rng = np.random.default_rng(0)
+sample = rng.standard_normal((4, 64)).astype(np.float32)
+words, s, b = quant.quantize(sample, 64, 1)
+mw, ms, mb = mx.quantize(mx.array(sample), group_size=64, bits=1)
+one_bit = {"bit-exact at 1 bit": bool(np.array_equal(words, np.array(mw)) and np.array_equal(s, np.array(ms))
+                                      and np.array_equal(b, np.array(mb))),
+           "bias is the group minimum": bool(np.array_equal(np.array(mb)[:, 0], sample.min(axis=1)))}
+constant_rows = []
+for value in (4e-8, 6e-8, 0.3):
+    group = mx.full((1, 64), value, mx.float32)
+    decoded = float(mx.dequantize(*mx.quantize(group, group_size=64, bits=4), group_size=64, bits=4)[0, 0])
+    constant_rows.append({"constant group of": f"{value:g}", "decodes to (4 bits)": f"{decoded:g}"})
+stored = mx.quantize(mx.array(sample).astype(mx.bfloat16), group_size=64, bits=4)
+print(one_bit, "| scales of a bfloat16 weight stored as", str(stored[1].dtype).replace("mlx.core.", ""))
+assert all(one_bit.values())
+Markdown(inventory.markdown_table(constant_rows, list(constant_rows[0])))
 
 # %% [markdown]
 # ## Perplexity and size by trunk width

@@ -46,7 +46,8 @@
 # %%
 import qmtp
 from myst_nb import glue
-from qmtp import evaluate, inventory, mtp, plots, results, widgets
+from qmtp import mtp
+from qmtp.book import evaluate, inventory, plots, results, widgets
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -54,6 +55,47 @@ model = qmtp.load(path)
 texts = evaluate.heldout_by_register(2)
 prompts = evaluate.heldout_prompts(model, 2)
 MAX_TOKENS = 40
+
+# %% [markdown]
+# ## One step, in the code
+#
+# The step is a function of arrays: the caches, the offset, the trunk states of the last pass and the number
+# of its positions kept are inputs, the same things after the step are outputs. It is compiled once per draft
+# length and replayed; the host reads only the report, once per trunk pass.
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: step
+# :language: python
+# ```
+#
+# **Draft.** The head first reads the positions the last pass kept (each trunk state with the token after
+# it); from its state at the last one it drafts, then feeds itself its own output and its own draft:
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: draft
+# :language: python
+# ```
+#
+# **Verify and accept.** One trunk pass scores the pending token and every draft; under greedy decoding a
+# draft is kept while it equals the trunk's own choice, and the trunk's choice after the last kept token is
+# the next pending token. The count is computed on the device, so nothing waits for the host:
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: Greedy.accept
+# :language: python
+# ```
+#
+# Sampling replaces this by rejection sampling (`Rejection.accept`), which keeps the law of the trunk alone.
+#
+# **Roll back.** Attention needs nothing: the offset advances by the kept tokens, and the entries past it
+# are masked and later overwritten. A linear-attention layer has one state, not one entry per position, so
+# the verify pass records its state after every position and the step keeps the one after the last kept
+# token:
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: keep_prefix
+# :language: python
+# ```
 
 # %% [markdown]
 # ## A worked example
@@ -109,7 +151,7 @@ glue("tpp_n5", by_n[5]["tokens_per_trunk_pass"], display=False)
 # second draft on that is all it gets. The bundled head was trained a second time, alone, with the trunk
 # frozen: unrolled four steps, step 1 on the trunk's states and steps 2 to 4 on its own outputs, each step's
 # attention reading the keys its cache holds when it drafts, every step scored against the trunk's own
-# next-token distribution (`python -m qmtp.train --head-only`; the model card gives the command and the
+# next-token distribution (`python -m qmtp.tiny.train --head-only`; the model card gives the command and the
 # loss). The head it started from is kept beside the model (`evaluate.previous_head`). Both heads run on
 # the same prompts, interleaved prompt by prompt, so that the shared machine's slow spells hit them alike.
 

@@ -22,7 +22,7 @@
 # over `n` tokens reads every dense weight once for all `n`, but in each MoE layer it reads the experts
 # *any* of its tokens chose. This chapter counts those experts, turns bytes into time, predicts the speedup
 # for the real model and for a dense model of the same active size, and sets the prediction beside what
-# is measured here. The arithmetic lives in `qmtp.throughput`, the measurements in `qmtp.bench`
+# is measured here. The arithmetic lives in `qmtp.book.throughput`, the measurements in `qmtp.book.bench`
 # (`python -m qmtp bench mtp` and `bench decode` print the same tables).
 #
 # :::{admonition} What you will learn, what runs here
@@ -48,8 +48,8 @@ import os
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp import bench, evaluate, inventory, plots, results, throughput
-from qmtp.claims import CLAIMS
+from qmtp.book import bench, evaluate, inventory, plots, results, throughput
+from qmtp.book.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
 

@@ -23,8 +23,8 @@
 # what its conversions weigh, how often its head's drafts are accepted, what a crippled or quantized head
 # costs, what MTP buys on an A3B MoE. Each claim is set beside the chapter that tests it. Nothing is
 # measured again here: every value below was saved by its chapter when it ran on the same model
-# (`qmtp.results`), and the verdict is computed from it by the rule written next to the claim in
-# `qmtp.claims`.
+# (`qmtp.book.results`), and the verdict is computed from it by the rule written next to the claim in
+# `qmtp.book.claims`.
 #
 # :::{admonition} What you will learn, what runs here
 # :class: tip
@@ -34,8 +34,8 @@
 # - which of the seed's claims about this model hold, which do not, and which cannot be tested here;
 # - where each claim comes from and which chapter's measurement judges it.
 #
-# **What runs here.** Nothing is measured again: the chapter reads what chapters 1 to 6 saved (`qmtp.results`)
-# for the same model and applies the rule written beside each claim in `qmtp.claims`. The chapter's run time
+# **What runs here.** Nothing is measured again: the chapter reads what chapters 1 to 6 saved (`qmtp.book.results`)
+# for the same model and applies the rule written beside each claim in `qmtp.book.claims`. The chapter's run time
 # in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the
 # page gives this notebook, to run it yourself.
 # :::
@@ -44,7 +44,7 @@
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import claims, inventory, results
+from qmtp.book import claims, inventory, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -92,7 +92,7 @@ Markdown(inventory.markdown_table(rows, ["claim", "source"]))
 #    *Where the answer shows:* the verdict column of *The table* is recomputed for that model; claims about
 #    the real release stay *cannot be tested* on the tiny model.
 #
-# 2. Make a rule stricter: edit the threshold of one claim in `qmtp/claims.py` and rerun this chapter only.
+# 2. Make a rule stricter: edit the threshold of one claim in `qmtp/book/claims.py` and rerun this chapter only.
 #
 #    *Where the answer shows:* the verdict of that claim in *The table* and the count of claims that hold in
 #    the sentence under it.

@@ -12,7 +12,8 @@ blas.use_optimised()  # before anything imports mlx.core: see qmtp.blas
 from .checkpoint import Checkpoint
 from .config import QWEN36_35B_A3B, ModelConfig
 from .errors import CheckpointError, ConfigError, IncompleteHeadError, QmtpError, TensorShapeError, UsageError
-from .model import Model, load
+from .loading import load
+from .model import Model
 
 __all__ = [
     "Checkpoint",

@@ -1,7 +1,7 @@
 """Adaptive drafting: the width of each speculative step chosen from what the generation has measured.
 
 A step that verifies k drafts emits on average tau(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens
-(`throughput.expected_tokens_per_pass`) and costs c(k + 1), the seconds of one step at width k + 1 (the head's
+(`expected_tokens_per_pass`) and costs c(k + 1), the seconds of one step at width k + 1 (the head's
 k drafts and the trunk's pass over k + 1 tokens). The best width is the one with the most tokens per second,
 tau(k) / c(k + 1). Neither is known in advance:
 
@@ -33,9 +33,16 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .throughput import expected_tokens_per_pass
-
 WIDTHS = (1, 2, 3, 4, 5)
+
+
+def expected_tokens_per_pass(rates) -> float:
+    """1 + sum_i prod_{j<=i} a_j: tokens a step emits on average, given per-position acceptance rates a_j."""
+    total, survive = 1.0, 1.0
+    for a in rates:
+        survive *= a
+        total += survive
+    return total
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from .conventions import BITS, GROUP_SIZES, is_unquantized, parse_width, width_text
-from .corpus import REGISTERS
 from .errors import QmtpError, UsageError
 
 
@@ -119,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--max-tokens", type=positive_int, default=64)
     mtp.add_argument("--repeats", type=positive_int, default=3)
     mtp.add_argument("--prompts-per-register", type=positive_int, default=2)
+    mtp.add_argument("--prompts", type=positive_int, help="only the first N prompts (a full-size model: 1)")
     mtp.add_argument("--n-draft-max", type=positive_int, default=5)
     mtp.add_argument("--json", type=json_destination, help="also write the results here")
     mtp.add_argument("--peer", choices=("mlx-vlm",), help="also run this engine's own MTP decoding on the same checkpoint")
@@ -279,11 +279,11 @@ def _scan(ckpt) -> list[str]:
 
 
 def bench(args) -> int:
-    from . import bench as benchmarks
-    from .model import load
+    from .book import bench as benchmarks
+    from .loading import load
 
     if args.bench == "convert":
-        from . import bench_convert
+        from .book import bench_convert
 
         _require_mlx_lm("bench convert")
         report = bench_convert.run(args.workdir, args.gb, args.bits, args.group_size, args.rounds,
@@ -308,10 +308,9 @@ def bench(args) -> int:
         if args.n_draft_max > MAX_N_DRAFT:
             raise UsageError(f"--n-draft-max {args.n_draft_max} is out of range: use 1 to {MAX_N_DRAFT}")
         model.require_head()
-        prompts = _bench_prompts(model, args.prompts_per_register)
+        prompts = _bench_prompts(model, args.prompts, per_register=args.prompts_per_register)
     else:
-        n_prompts = args.prompts or (2 if scaled else 5)
-        prompts = _bench_prompts(model, -(-n_prompts // len(REGISTERS)))[:n_prompts]
+        prompts = _bench_prompts(model, args.prompts or (2 if scaled else 5))
     if args.bench == "decode":
         report = benchmarks.decode(model, prompts, args.max_tokens, args.repeats)
         print(f"{model.path}: {len(prompts)} prompts x {args.max_tokens} tokens, {args.repeats} interleaved rounds, "
@@ -329,7 +328,7 @@ def bench(args) -> int:
 
 def _peer_engine(path):
     """mlx-vlm on the same checkpoint, or None with one line saying why not (the bench goes on without it)."""
-    from . import peer
+    from .book import peer
 
     reason = peer.available()
     if reason:
@@ -338,14 +337,19 @@ def _peer_engine(path):
     return peer.MlxVlmEngine(path)
 
 
-def _bench_prompts(model, per_register: int) -> list[list[int]]:
-    """Held-out text prompts when the model has a tokenizer, else random token ids (fixed seed)."""
-    from .evaluate import heldout_prompts
+def _bench_prompts(model, n_prompts: int | None, per_register: int = 1) -> list[list[int]]:
+    """The first `n_prompts` (default: `per_register` of each register) held-out text prompts when the model has
+    a tokenizer, else as many random token ids (fixed seed)."""
+    from .book.evaluate import heldout_prompts
+    from .tiny.corpus import REGISTERS
 
+    if n_prompts is not None:
+        per_register = -(-n_prompts // len(REGISTERS))
+    count = n_prompts or per_register * len(REGISTERS)
     if model.tokenizer is not None:
-        return heldout_prompts(model, per_register)
+        return heldout_prompts(model, per_register)[:count]
     rng = np.random.default_rng(0)
-    return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(len(REGISTERS) * per_register)]
+    return [rng.integers(0, model.config.vocab_size, 8).tolist() for _ in range(count)]
 
 
 def _require_mlx_lm(what: str) -> None:
@@ -368,7 +372,7 @@ def _check_n_draft(args, most: int) -> None:
 
 
 def chat(args) -> int:
-    from .model import load
+    from .loading import load
     from .speculative import MAX_N_DRAFT, generate
 
     # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
@@ -466,7 +470,7 @@ def _one_line_warnings():
 
 
 def synthetic(args) -> int:
-    from .synthetic import write_preset
+    from .tiny.synthetic import write_preset
 
     path = write_preset(args.dir, args.preset, sparse=args.sparse, seed=args.seed, progress=not args.quiet)
     files = sorted(path.glob("*.safetensors"))

@@ -331,8 +331,8 @@ def _interval_of(layer_types: list[str]) -> int:
     return full[0] + 1 if full else len(layer_types) + 1
 
 
-# The released Qwen3.6-35B-A3B text config (see shared REFERENCE section 1): the numbers chapters use
-# to reason about the real model without its weights.
+# The released Qwen3.6-35B-A3B text config (the defaults of transformers' configuration_qwen3_5_moe.py):
+# the numbers chapters use to reason about the real model without its weights.
 QWEN36_35B_A3B = ModelConfig(
     vocab_size=248_320,
     hidden_size=2048,

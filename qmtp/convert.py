@@ -38,23 +38,7 @@ configs this way: a Qwen3-Next source (`qwen3_next`, fused `in_proj_qkvz`) is wr
 which qmtp loads and mlx-lm's `qwen3_next` model does not; a flat `qwen3_5_moe_text` config has no mlx-lm
 model class at all.
 
-The seed's converter (lemon-mlx-engine `convert`, REFERENCE section 8) and this one agree on: one
-`model.safetensors` with `format: mlx`, head keys under `mtp.`, the head's experts stacked as `switch_mlp`,
-a `quantization` block in config.json, the router at 8 bits, the norms shifted in float32, the tokenizer files
-copied. They differ in:
-
-* the head's default width: the seed quantizes the head at `--bits`; qmtp keeps it bf16 (`mtp_bits=None`),
-  and with `mtp_bits` set quantizes the head's router gates at `router_bits` as in the trunk;
-* `lm_head`: the seed defaults to 8 bits, qmtp to `bits` (as mlx-lm does); `lm_head_bits=8` gives the seed's;
-* `shared_expert_gate`: the seed's router rule matches only `mlp.gate`, so it quantizes this [1, H] gate at
-  `--bits`; qmtp (like mlx-lm) at the router width;
-* the `quantization` block: the seed writes only the default `{group_size, bits}`, with which its own loader
-  reads an 8-bit router as 4-bit and refuses the file; qmtp writes an override for every module at another
-  width, as mlx-lm does;
-* the fixes: the seed shifts the norms unconditionally, so converting a converted model shifts them twice;
-  qmtp records them and refuses a converted source;
-* memory: the seed loads the whole model before writing; qmtp holds one tensor group at a time, writes to a
-  temporary directory and renames it into place only when everything is written.
+How this converter differs from the seed's (lemon-mlx-engine's) is chapter 3's last section.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Qwen3.6-35B-A3B assembled from its blocks: the trunk, the MTP head, and `load()`.
+"""Qwen3.6-35B-A3B assembled from its blocks: the trunk and the MTP head (`qmtp.loading` fills it from a checkpoint).
 
     x = embed_tokens(tokens)
     for each layer (3 gated-DeltaNet layers, then 1 gated-attention layer, repeated):
@@ -10,27 +10,17 @@
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 
-from . import cores
-from . import fixes as fixes_mod
-from . import layout
-from . import memory
 from .cache import LayerCache, ModelCache
 from .config import ModelConfig
-from .conventions import keeps_float32
-from .errors import CheckpointError, QmtpError, UsageError
+from .errors import QmtpError
 from .layer import DecoderLayer
 from .mtp import MTPHead
 from .norms import RMSNorm
-from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
-
-BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
 
 # speculative compiles each decoding step (`qmtp.decoding.step`) with mx.compile; QMTP_COMPILE=0 runs it
 # eagerly, with the same results. Kept here, where speculative reads it.
@@ -114,159 +104,3 @@ class Model(nn.Module):
             f"Model({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts top-"
             f"{c.num_experts_per_tok}, vocab {c.vocab_size}, MTP head: {head}, fixes {self.fixes_applied}, {self.dtype})"
         )
-
-
-def default_dtype():
-    """float32 on the CPU (its gather_mm computes only float32), bfloat16 on an accelerator."""
-    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-
-
-def resolve_path(path) -> Path:
-    """An explicit path, else $QMTP_MODEL, else the bundled tiny model."""
-    if path is None:
-        path = os.environ.get("QMTP_MODEL") or BUNDLED_MODEL
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not isinstance(path, (str, os.PathLike)):
-        raise UsageError(f"path={path!r}: give a model directory as a str or pathlib.Path, not {type(path).__name__}")
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such model directory")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: is not a directory; give the model directory (config.json and safetensors)")
-    return path
-
-
-def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True) -> Model:
-    """Load a checkpoint directory (any released layout, or a converted one) into a `Model`.
-
-    `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
-    stored, or one name ("norm"). Fixes a qmtp-written checkpoint records as already applied are never applied
-    again. Weights left without a fix load with a UserWarning saying what that does (no conv fix: the first
-    forward through a DeltaNet layer fails with MLX's conv1d error, kept so a chapter can show it).
-    Quantized weights (a `qmtp.convert` output, or an mlx-lm conversion) load into quantized layers
-    (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`, `QuantizedStackedLinear`) at the width each one is stored
-    with; their scales and biases take `dtype` like every other weight.
-    With no path: $QMTP_MODEL if set, else the bundled tiny model.
-    """
-    path = resolve_path(path)
-    requested = fixes_mod.validate(fixes)
-    if dtype is not None and not isinstance(dtype, mx.Dtype):
-        raise UsageError(f"dtype={dtype!r}: give an MLX dtype such as mlx.core.float16 (not a string)")
-    if dtype is not None and not mx.issubdtype(dtype, mx.floating):
-        raise UsageError(f"dtype={dtype}: weights are computed in a floating-point dtype (float32, float16, bfloat16)")
-    for flag, value in (("head", head), ("tokenizer", tokenizer)):
-        if not isinstance(value, bool):
-            raise UsageError(f"{flag}={value!r} must be True or False")
-    requested_dtype, dtype = dtype, dtype or default_dtype()
-    source = Source.open(path)
-    config, ckpt, plan, widths = source.config, source.ckpt, source.plan, source.widths
-    source.require_trunk()
-    status = source.head_status() if head else None  # head=False: the head is neither loaded nor checked
-    with_head = status in (HEAD_FULL, HEAD_SHARED_ONLY)
-    head_routed = status == HEAD_FULL
-    if status == HEAD_SHARED_ONLY:
-        warnings.warn(
-            f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
-            f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
-            f"that of the complete head.",
-            stacklevel=2,
-        )
-
-    fix_plan = source.fix_plan(requested)  # a record the tensors contradict is not believed
-    if config.tie_word_embeddings and any(layout.internal_name(n) == "lm_head.weight" for n in ckpt.names()):
-        warnings.warn(f"{path}: config.json says tie_word_embeddings: true, but the checkpoint stores its own "
-                      f"lm_head; following the config, lm_head is not used and embed_tokens scores the tokens",
-                      stacklevel=2)
-
-    model = Model(config, head=with_head, head_routed_experts=head_routed)
-    quantize_layers(model, widths)
-    # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
-    dtype = _dtype_that_fits(model, dtype, chosen=requested_dtype is None, path=path)
-    # Stored in bfloat16 only for lack of memory, the weights are still computed in float32: the norms (a
-    # few KB) stay float32, which makes every activation float32 from the first norm on. On the CPU a
-    # quantized matmul with bfloat16 scales runs as fast as with float32 ones when its input is float32,
-    # and several times slower when it is bfloat16.
-    compute_float32 = requested_dtype is None and dtype == mx.bfloat16 and default_dtype() == mx.float32
-    reader = layout.Reader(ckpt, config)
-    wanted = set(_flat_names(model))
-    weights = []
-    for name, recipe in plan.recipes.items():
-        if name not in wanted:
-            continue  # head tensors when the head is not loaded
-        w = fixes_mod.apply(name, reader.materialise(recipe), fix_plan.applying)
-        if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
-            w = w.astype(mx.float32 if kept else dtype)
-        mx.eval(w)
-        weights.append((name, w))
-    loaded = {name for name, _ in weights}
-    if loaded != wanted:
-        absent = sorted(wanted - loaded)
-        raise CheckpointError(f"{path}: no tensor for {absent[0]} ({len(absent)} missing)")
-    # update(), not load_weights(): with fixes=() the raw conv kernel keeps its stored [C, 1, K] shape, so
-    # the chapter on the fixes can show what MLX does with it.
-    model.update(tree_unflatten(weights))
-    model.eval()
-    model.fixes_applied = fix_plan.result
-    for message in fix_plan.warnings(path):
-        warnings.warn(message, stacklevel=2)
-    if not config.tie_word_embeddings:  # after quantize_layers: lm_head is its final module now
-        model._lm_head_split = cores.split_lm_head(model.lm_head)
-    model.path = path
-    mx.clear_cache()  # the casts' freed buffers would otherwise stay in MLX's cache, counted in the RSS
-    if tokenizer and (path / "tokenizer.json").exists():
-        from .tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_dir(path)
-        model.tokenizer.check_fits(config.vocab_size, path)
-    return model
-
-
-
-def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):
-    """`dtype` if the weights fit in it; else, when qmtp chose float32 (the CPU default) and the user did not,
-    bfloat16 with a warning (a quantized full-size model fits a 24 GB machine only so); else a one-line refusal."""
-    try:
-        memory.check_fits(loaded_bytes(model, dtype), f"{path}: loading the model in {dtype}")
-        return dtype
-    except memory.NotEnoughMemoryError:
-        if not chosen or dtype == mx.bfloat16:
-            raise
-    memory.check_fits(loaded_bytes(model, mx.bfloat16), f"{path}: loading the model (even in bfloat16)")
-    name = str(dtype).replace("mlx.core.", "")
-    warnings.warn(f"{path}: the model does not fit in memory in {name}; loading it in bfloat16 (computing in "
-                  f"{name})", stacklevel=3)
-    return mx.bfloat16
-
-
-def loaded_bytes(model: Model, dtype) -> int:
-    """The bytes `model`'s weights take once loaded: quantized codes as stored, float weights in `dtype` (float32
-    for those `conventions.keeps_float32` names). Read from the placeholders' shapes, which are never evaluated."""
-    total = 0
-    for name, p in tree_flatten(model.parameters()):
-        if mx.issubdtype(p.dtype, mx.floating):
-            total += p.size * (4 if keeps_float32(name) else dtype.size)
-        else:
-            total += p.nbytes
-    return total
-
-
-def quantize_layers(model: Model, widths: dict[str, tuple[int, int]]) -> None:
-    """Swap each layer whose weight is stored quantized for its quantized twin, at that weight's width.
-
-    `widths` maps internal weight names to (bits, group_size) (`layout.quantization`). The new layers hold
-    placeholders until the checkpoint's codes, scales and biases are loaded into them.
-    """
-    if not widths:
-        return
-
-    def predicate(path: str, module: nn.Module):
-        width = widths.get(f"{path}.weight")
-        return width is not None and {"group_size": width[1], "bits": width[0], "mode": "affine"}
-
-    nn.quantize(model, class_predicate=predicate)
-
-
-def _flat_names(module: nn.Module) -> list[str]:
-    return [name for name, _ in tree_flatten(module.parameters())]

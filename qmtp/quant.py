@@ -32,21 +32,8 @@ last code, with an error of up to one step instead of half a step (measured: 0.9
 float32 scale and bias *before* these are cast to the input's dtype, which matters for bf16 inputs: see
 `quantize`.
 
-Checked against mlx 0.32.4 (the experiments are in tests/test_quant.py):
-  * REFERENCE section 7 is right about every step above for bits 2 to 8: the 1e-7 floor, the strict
-    |min| > |max| comparison (a tie or a constant group takes the max as edge), half-to-even rounding of q0
-    and of the codes, codes from the unrounded scale and bias, and the packing.
-  * It is incomplete on three points:
-    - mlx 0.32.4 also accepts bits=1, and quantizes it differently: no edge anchoring, scale =
-      max(max - min, 1e-7) and bias = min (code 0 is the minimum, code 1 the maximum). This module
-      reproduces that bit-exactly and accepts bits=1 too.
-    - A constant group whose value is below half the floor (|c| < 5e-8) gets q0 = 0, bias 0, and decodes to
-      0.0; larger constant groups decode exactly to their value.
-    - For bfloat16/float16 inputs the scales and biases are stored rounded to the input dtype, but the codes
-      were computed with the float32 values, so `scale_bf16 * code + bias_bf16` (what every kernel computes)
-      is not `scale_f32 * code + bias_f32`: an extra error of the order of 2**-8 of the group's range, and
-      recomputing codes from the stored scales does not always give MLX's codes. mx.dequantize then
-      computes in bfloat16 (product rounded, then sum rounded): `dequantize(..., bfloat16=True)`.
+Checked against MLX in tests/test_quant.py. Three cases the published description of mx.quantize leaves out
+(bits=1, tiny constant groups, bfloat16 scales) are in chapter 4 and in `quantize`'s own comments.
 """
 
 from __future__ import annotations
@@ -58,7 +45,7 @@ import numpy as np
 from .errors import UsageError
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
-"""Widths mx.quantize accepts in affine mode. 1 is not in REFERENCE section 7, but mlx 0.32.4 accepts it."""
+"""Widths mx.quantize accepts in affine mode. The published description stops at 2, but MLX accepts 1 too."""
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
@@ -103,7 +90,7 @@ def quantize_groups(w: np.ndarray, group_size: int = 64, bits: int = 4):
     scale = np.maximum((w_max - w_min) / n, EPS)
 
     if bits == 1:
-        # One bit is a special case in MLX (found by experiment, not in REFERENCE section 7): no edge
+        # One bit is a special case in MLX (found by experiment; the published description stops at 2 bits): no edge
         # anchoring, just the plain min/max grid. Code 0 decodes to the minimum, code 1 to the maximum.
         bias = w_min
         codes = np.clip(np.rint((groups - bias) / scale), 0, n).astype(np.uint32)

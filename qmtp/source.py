@@ -1,6 +1,6 @@
 """One way to open a checkpoint directory: config, tensors, layout plan, widths, head status, carried fixes.
 
-`model.load`, `convert` and `python -m qmtp doctor` all open checkpoints through `Source.open`, so they agree
+`loading.load`, `convert` and `python -m qmtp doctor` all open checkpoints through `Source.open`, so they agree
 on what a checkpoint holds. Past the config and the tensor listing, each part is worked out when first asked
 for: every caller keeps the order of its own checks, and so which error it reports first.
 """

@@ -1,6 +1,6 @@
 """Tokenizers: train a small byte-level BPE for the toy model, save it, load any ``tokenizer.json``.
 
-The toy model uses a byte-level BPE trained here on the synthetic corpus (:mod:`qmtp.corpus`);
+The toy model uses a byte-level BPE trained here on the synthetic corpus (:mod:`qmtp.tiny.corpus`);
 the real Qwen3.6 checkpoint ships its own byte-level BPE in ``tokenizer.json``. Both load through
 :meth:`Tokenizer.from_dir`, which needs only the HuggingFace ``tokenizers`` library, not
 ``transformers``.
@@ -20,7 +20,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from qmtp.checkpoint import open_regular, read_json, write_atomic
-from qmtp.errors import CheckpointError, UsageError
+from .errors import CheckpointError, UsageError
 
 __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
 

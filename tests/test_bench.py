@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from qmtp import bench, synthetic
+from qmtp.book import bench
+from qmtp.tiny import synthetic
 from qmtp.cli import main
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -76,7 +77,7 @@ def test_the_scaled_model_has_the_real_layer_widths_and_fits():
 
 def test_bench_convert_times_three_tools_on_the_same_source(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
-    from qmtp import bench_convert
+    from qmtp.book import bench_convert
 
     config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64)
     report = bench_convert.run(tmp_path / "work", bits=4, rounds=1, config=config, progress=lambda line: None)
@@ -97,7 +98,7 @@ def test_bench_convert_times_three_tools_on_the_same_source(tmp_path, capsys):
 
 
 def test_bench_convert_source_reaches_the_size_asked_for():
-    from qmtp import bench_convert
+    from qmtp.book import bench_convert
     from qmtp.errors import UsageError
     from qmtp.sizes import UNQUANTIZED
 

@@ -1,6 +1,6 @@
 """qmtp's MLX blocks (float32) against the independent float64 numpy reference in tests/reference.py.
 
-Random checkpoints from qmtp.synthetic at toy widths, in three shapes:
+Random checkpoints from qmtp.tiny.synthetic at toy widths, in three shapes:
   * "small": small_config() (GQA 4 query / 2 KV heads, 2 key / 4 value DeltaNet heads, top-2 of 8 experts);
   * "mqa":   one KV head for all query heads, as many DeltaNet value heads as key heads (no repetition), top-1;
   * "wide":  no GQA (4 / 4), 1 key head shared by 4 value heads, Dk != Dv, conv kernel 3, half the head
@@ -24,7 +24,7 @@ from qmtp.cache import LayerCache
 from qmtp.config import FULL, LINEAR
 from qmtp.fixes import is_conv_kernel, is_zero_centred_norm
 from qmtp.norms import GatedRMSNorm, RMSNorm
-from qmtp.synthetic import random_weights, small_config, write_checkpoint
+from qmtp.tiny.synthetic import random_weights, small_config, write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference as ref  # noqa: E402

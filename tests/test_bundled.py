@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 import qmtp
-from qmtp import card, evaluate
-from qmtp.model import BUNDLED_MODEL
+from qmtp.book import evaluate
+from qmtp.tiny import card
+from qmtp.loading import BUNDLED_MODEL
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "model.safetensors").exists(), reason="no bundled model")
 

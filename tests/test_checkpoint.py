@@ -18,7 +18,8 @@ import mlx.core as mx
 from helpers import expect, rewrite
 import qmtp
 from qmtp import fixes as fixes_mod
-from qmtp import layout, synthetic
+from qmtp import layout
+from qmtp.tiny import synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
 from qmtp.errors import (
     CheckpointError,

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from qmtp import claims, results, synthetic
+from qmtp.book import claims, results
+from qmtp.tiny import synthetic
 from qmtp.config import QWEN36_35B_A3B
-from qmtp.model import BUNDLED_MODEL
+from qmtp.loading import BUNDLED_MODEL
 
 SAVED = {
     "01_anatomy": {"trunk_gb": {"4": 19.51, "6": 28.17, "8": 36.83}, "head_gb": {"bf16": 1.69, "8": 0.9, "6": 0.69, "4": 0.48}},

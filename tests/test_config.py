@@ -5,7 +5,7 @@ import json
 import pytest
 
 import qmtp
-from qmtp import synthetic
+from qmtp.tiny import synthetic
 from qmtp.config import FULL, LINEAR, ModelConfig
 from qmtp.errors import ConfigError
 

@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from helpers import expect, one_line_error, relative_error, rewrite
 import qmtp
-from qmtp import cli, layout, synthetic
+from qmtp import cli, layout
+from qmtp.tiny import synthetic
 from qmtp import convert as convert_mod
 from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header
 from qmtp.convert import convert

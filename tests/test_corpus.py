@@ -1,4 +1,4 @@
-"""Tests for qmtp.corpus: determinism, registers, splits, arithmetic correctness, errors."""
+"""Tests for qmtp.tiny.corpus: determinism, registers, splits, arithmetic correctness, errors."""
 
 import hashlib
 import random
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from qmtp import corpus
-from qmtp.corpus import REGISTERS, document, generate, iter_documents, iter_text, splits
+from qmtp.tiny import corpus
+from qmtp.tiny.corpus import REGISTERS, document, generate, iter_documents, iter_text, splits
 from qmtp.errors import UsageError
 
 # sha256 over generate(40, seed=123). If this changes and you did not edit the templates or word

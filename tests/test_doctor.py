@@ -5,9 +5,10 @@ import warnings
 import numpy as np
 import pytest
 
-from qmtp import cli, quant, synthetic
+from qmtp import cli, quant
+from qmtp.tiny import synthetic
 from qmtp import source as source_mod
-from qmtp.model import load
+from qmtp.loading import load
 from qmtp.checkpoint import Checkpoint
 from qmtp.convert import convert
 from helpers import one_line_error, rewrite

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from qmtp import memory, synthetic
+from qmtp import memory
+from qmtp.tiny import synthetic
 from qmtp.checkpoint import Checkpoint, INDEX_NAME
 
 PYTHON = sys.executable
@@ -151,11 +152,11 @@ def test_a_model_stored_in_bfloat16_for_lack_of_memory_computes_in_float32(monke
     import mlx.core as mx
 
     import qmtp
-    from qmtp import model as model_mod
+    from qmtp import loading
 
-    if model_mod.default_dtype() != mx.float32:
+    if loading.default_dtype() != mx.float32:
         pytest.skip("the fallback applies where qmtp computes in float32 (the CPU)")
-    monkeypatch.setattr(model_mod, "_dtype_that_fits", lambda model, dtype, chosen, path: mx.bfloat16)
+    monkeypatch.setattr(loading, "_dtype_that_fits", lambda model, dtype, chosen, path: mx.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stored = qmtp.load()

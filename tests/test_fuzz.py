@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import qmtp
 from qmtp import checkpoint as ckpt_mod
-from qmtp import synthetic
+from qmtp.tiny import synthetic
 from qmtp.checkpoint import DTYPES, MAX_HEADER_BYTES, Checkpoint, read_header, read_tensor
 from qmtp.errors import CheckpointError, QmtpError
 

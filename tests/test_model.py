@@ -7,7 +7,7 @@ import mlx.core as mx
 
 import qmtp
 from helpers import relative_error
-from qmtp import synthetic
+from qmtp.tiny import synthetic
 
 
 @pytest.fixture(scope="module")

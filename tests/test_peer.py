@@ -4,7 +4,7 @@ lossless, and its drafter proposes what qmtp's head proposes (an independent imp
 import pytest
 
 import qmtp
-from qmtp import peer
+from qmtp.book import peer
 from qmtp.errors import UsageError
 
 pytestmark = pytest.mark.skipif(peer.available() is not None, reason=peer.available() or "")

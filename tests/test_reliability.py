@@ -30,7 +30,7 @@ import helpers
 import qmtp
 from helpers import rewrite
 from qmtp import cache as cache_mod
-from qmtp import corpus, synthetic
+from qmtp.tiny import corpus, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint
 from qmtp.errors import QmtpError, UsageError
 from qmtp.tokenizer import save, train_bpe

@@ -17,7 +17,8 @@ import pytest
 import mlx.core as mx
 
 import qmtp
-from qmtp import layout, synthetic
+from qmtp import layout
+from qmtp.tiny import synthetic
 from qmtp.checkpoint import INDEX_NAME
 
 CONFIG = qmtp.QWEN36_35B_A3B

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import adaptive, synthetic
+from qmtp import adaptive
+from qmtp.tiny import synthetic
 from qmtp.errors import QmtpError, UsageError
 
 
@@ -123,7 +124,7 @@ def test_a_model_without_head_cannot_draft(tmp_path):
 
 
 def test_acceptance_is_what_teacher_forcing_predicts(small_vocab_model):
-    from qmtp.evaluate import predicted_acceptance
+    from qmtp.book.evaluate import predicted_acceptance
 
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False)

@@ -5,10 +5,11 @@ import math
 import pytest
 
 import qmtp
-from qmtp import synthetic, throughput
+from qmtp.book import throughput
+from qmtp.tiny import synthetic
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import UNQUANTIZED, sizes
-from qmtp.throughput import (
+from qmtp.book.throughput import (
     GB,
     Machine,
     expected_tokens_per_pass,

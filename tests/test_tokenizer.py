@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers
 
-from qmtp import corpus
+from qmtp.tiny import corpus
 from qmtp.errors import CheckpointError, UsageError
 from qmtp.tokenizer import EOS_TOKEN, Tokenizer, save, train_bpe
 
@@ -188,7 +188,7 @@ def test_training_is_deterministic_in_process(texts):
 
 _TRAIN_SCRIPT = """
 import hashlib, sys, tempfile, pathlib
-from qmtp import corpus
+from qmtp.tiny import corpus
 from qmtp.tokenizer import train_bpe, save
 d = pathlib.Path(tempfile.mkdtemp())
 save(train_bpe(corpus.iter_text(600, seed=0), vocab_size=600), d)

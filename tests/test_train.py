@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import evaluate, train
+from qmtp.book import evaluate
+from qmtp.tiny import train
 from qmtp.cache import LayerCache
 
 
 def run_train(*args):
-    result = subprocess.run([sys.executable, "-m", "qmtp.train", *map(str, args)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "qmtp.tiny.train", *map(str, args)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
@@ -90,7 +91,7 @@ def test_head_only_training_resumes_exactly_and_leaves_the_trunk_alone(tmp_path)
 
 
 def test_head_only_refuses_unknown_targets(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "qmtp.train", str(tmp_path / "x"), "--head-only", "--targets", "soft"],
+    result = subprocess.run([sys.executable, "-m", "qmtp.tiny.train", str(tmp_path / "x"), "--head-only", "--targets", "soft"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--targets soft" in result.stderr
 

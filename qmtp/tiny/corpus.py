@@ -32,7 +32,7 @@ import hashlib
 import random
 from collections.abc import Callable, Iterator, Sequence
 
-from qmtp.errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "REGISTERS",
@@ -942,6 +942,8 @@ def _check_count(name: str, n: int) -> int:
 
 
 def _doc_seed(stream: str, seed: int, index: int) -> int:
+    # The module's name before it moved into qmtp.tiny: part of every document's seed, so it stays as it was
+    # (another string would generate another corpus than the one the bundled model was trained on).
     digest = hashlib.sha256(f"qmtp.corpus/{stream}/{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
 

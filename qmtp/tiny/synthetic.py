@@ -23,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import fixes as fixes_mod
-from .checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
-from .config import QWEN36_35B_A3B, ModelConfig
-from .conventions import is_conv_kernel, torch_conv_shape
-from .errors import UsageError
-from .layout import LAYOUTS, expected_shapes, stored_entries
+from .. import fixes as fixes_mod
+from ..checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
+from ..config import QWEN36_35B_A3B, ModelConfig
+from ..conventions import is_conv_kernel, torch_conv_shape
+from ..errors import UsageError
+from ..layout import LAYOUTS, expected_shapes, stored_entries
+from ..loading import BUNDLED_MODEL
 
 
 
@@ -126,7 +127,6 @@ VISION_TENSORS = {
     "model.visual.merger.linear_fc2.weight": (2048, 4608),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tiny"
 # With seeded holes: tensors above this size are holes, as is every routed expert, whatever its size.
 HOLE_BYTES = 64 << 20
 SEEDED_ROWS = 4096  # embedding rows with values: more than the bundled tokenizer's vocabulary
@@ -187,7 +187,7 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(raw_config, indent=2))
     if tokenizer:
         for name in TOKENIZER_FILES:
-            shutil.copyfile(BUNDLED_TOKENIZER / name, directory / name)
+            shutil.copyfile(BUNDLED_MODEL / name, directory / name)
 
     entries = [
         (name, dtype, shape, (lambda p=produce: array_bytes(p(), dtype)))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .checkpoint import Checkpoint
-from .config import ModelConfig
-from .layout import plan
-from .model import BUNDLED_MODEL, resolve_path
-from .sizes import CATEGORIES, category
+from ..checkpoint import Checkpoint
+from ..config import ModelConfig
+from ..layout import plan
+from ..loading import BUNDLED_MODEL, resolve_path
+from ..sizes import CATEGORIES, category
 
 
 def model_path(path=None) -> Path:

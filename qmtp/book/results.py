@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from .checkpoint import hash_headers, write_atomic
-from .errors import QmtpError
+from ..checkpoint import hash_headers, write_atomic
+from ..errors import QmtpError
 
 ENV = "QMTP_RESULTS"
 

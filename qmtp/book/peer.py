@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 
-from .errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError
 
 INSTALL_HINT = "pip install -e '.[peer]'"
 
@@ -55,7 +55,7 @@ class MlxVlmEngine:
         from mlx_vlm.speculative.drafters import load_drafter
         from mlx_vlm.utils import load_model
 
-        from .model import default_dtype, resolve_path
+        from ..loading import default_dtype, resolve_path
 
         self.path = resolve_path(path)
         self.dtype = dtype or default_dtype()
@@ -72,7 +72,7 @@ class MlxVlmEngine:
         qmtp does (1: plain decoding, 2: one MTP draft per trunk pass; mlx-vlm's block size is the same number).
 
         Returns `tokens`; `seconds` from the first generated token to the last (prefill excluded, as in
-        `qmtp.bench`); `passes`, the trunk passes after the prefill; and, when drafting, per draft position
+        `qmtp.book.bench`); `passes`, the trunk passes after the prefill; and, when drafting, per draft position
         the drafts `proposed` and `accepted` (counted as qmtp's Stats counts them: a draft is proposed only if
         every draft before it in its pass was accepted), `acceptance` (all accepted over all proposed) and
         `acceptance_per_position`.

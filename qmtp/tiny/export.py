@@ -15,13 +15,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import fixes as fixes_mod
-from .checkpoint import array_bytes, write_safetensors
-from .conventions import conv_to_torch, is_conv_kernel
-from .convert import replace_directory
-from .layout import stored_entries
-from .model import Model
-from .tokenizer import CONFIG_FILE, TOKENIZER_FILE
+from .. import fixes as fixes_mod
+from ..checkpoint import array_bytes, write_safetensors
+from ..conventions import conv_to_torch, is_conv_kernel
+from ..convert import replace_directory
+from ..layout import stored_entries
+from ..model import Model
+from ..tokenizer import CONFIG_FILE, TOKENIZER_FILE
 
 TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..config import default_layer_types
+from ..model import Model
 from . import throughput
-from .config import default_layer_types
-from .model import Model
 from .throughput import expected_union
 
 
@@ -31,7 +31,7 @@ def mlx_lm_model(path, dtype=None):
     from mlx.utils import tree_map
     from mlx_lm.utils import load_model
 
-    from .model import default_dtype
+    from ..loading import default_dtype
 
     dtype = dtype or default_dtype()
     model, _ = load_model(Path(path))
@@ -41,7 +41,7 @@ def mlx_lm_model(path, dtype=None):
 
 
 def _qmtp_decode(model: Model, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    from .speculative import generate
+    from ..speculative import generate
 
     g = generate(model, prompt, max_tokens=max_tokens, n_draft=1, track_experts=False, stop_at_eos=False)
     return g.tokens, g.stats.decode_seconds
@@ -120,9 +120,9 @@ SCALED_BITS = 4
 
 def scaled_checkpoint(directory, bits: int = SCALED_BITS, progress: bool = False) -> Path:
     """Write (once) the synthetic model of SCALED_REAL_WIDTHS, converted to `bits`: returns its directory."""
-    from .config import QWEN36_35B_A3B
-    from .convert import convert
-    from .synthetic import write_checkpoint
+    from ..config import QWEN36_35B_A3B
+    from ..convert import convert
+    from ..tiny.synthetic import write_checkpoint
 
     directory = Path(directory)
     converted = directory / f"{bits}bit"
@@ -139,8 +139,8 @@ def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30)
     alone (median of `repeats`) from the state after `prompt`: inside a generation the passes overlap with
     the host's work and cannot be told apart. A head draft step is the drafting of one step (the head over
     the last pass's positions, then each draft) divided by its drafts."""
-    from . import decoding
-    from .speculative import _prefill
+    from .. import decoding
+    from ..speculative import _prefill
 
     k = n_draft - 1
     greedy = decoding.Greedy()
@@ -195,13 +195,13 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     per layer (measured, and the independent-routing formula), the seconds of a verify pass and of a head
     draft step (`pass_costs`), and the ideal speedup: tokens per pass / (1 + head share), what drafting
     would give if a verify pass cost what a plain pass costs. "cost_model" fits `throughput.Machine` to the
-    verify passes. `peer`: a `qmtp.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
+    verify passes. `peer`: a `qmtp.book.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
     n_draft="auto" in the same rounds too, reported against the best fixed n_draft ("auto" in the report).
     `ablate`: n_drafts at which the loop also runs without queueing ahead and without compiling (ABLATIONS),
     in the same rounds ("ablation": tok/s, and over the lean loop).
     """
-    from .errors import UsageError
-    from .speculative import PhaseTimer, generate
+    from ..errors import UsageError
+    from ..speculative import PhaseTimer, generate
 
     if not set(ablate) <= set(n_drafts):
         raise UsageError(f"ablate={sorted(ablate)}: ablate only n_drafts the bench runs ({min(n_drafts)}..{max(n_drafts)})")
@@ -291,7 +291,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
     for r in results:
         r["speedup_vs_plain"] = r["tokens_per_second"] / plain if plain else None
-    from . import blas
+    from .. import blas
 
     report = {"model": str(model.path), "config": _config_summary(model), "max_tokens": max_tokens,
               "prompts": len(prompts), "repeats": repeats, "context": context, "blas": blas.describe(),

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import corpus
-from .model import Model
-from .mtp import MTPHead
+from ..model import Model
+from ..mtp import MTPHead
+from ..tiny import corpus
 
 # A head-only stage's export keeps the head it started from; in a folder of its own, since a model folder's
 # *.safetensors files are all read as the checkpoint.
@@ -111,7 +111,7 @@ def prompts_from(texts: list[str], model: Model, n_tokens: int = 8) -> list[list
 
 def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48, **options) -> dict:
     """Greedy speculative decoding over `prompts`; acceptance per draft position, pooled over prompts."""
-    from .speculative import generate
+    from ..speculative import generate
 
     k = n_draft - 1
     drafted, accepted = [0] * k, [0] * k
@@ -173,7 +173,7 @@ def logit_agreement(model_a: Model, model_b, texts: list[str], length: int = 128
 
 
 def load_head(model: Model, path) -> MTPHead:
-    """An MTP head saved by `qmtp.train.save_head` (effective weights, qmtp's own names), for `model`'s config."""
+    """An MTP head saved by `qmtp.tiny.train.save_head` (effective weights, qmtp's own names), for `model`'s config."""
     from mlx.utils import tree_unflatten
 
     head = MTPHead(model.config)
@@ -183,7 +183,7 @@ def load_head(model: Model, path) -> MTPHead:
 
 
 def previous_head(model: Model) -> MTPHead | None:
-    """The head `model`'s own head was trained from by `qmtp.train --head-only`, if its folder keeps it
+    """The head `model`'s own head was trained from by `qmtp.tiny.train --head-only`, if its folder keeps it
     (the bundled model does: its head before chained training), else None."""
     path = model.path / PREVIOUS_HEAD_FILE if model.path is not None else None
     return load_head(model, path) if path is not None and path.exists() else None
@@ -197,7 +197,7 @@ def compare_heads(model: Model, heads: dict, prompts: list[list[int]], n_drafts=
     decode speed pooled over the runs; per n_draft, the median over (prompt, repeat) pairs of each head's
     speed over the first head's (the ratio the noise of single timings does not swamp).
     """
-    from .speculative import generate
+    from ..speculative import generate
 
     labels = list(heads)
     tally = {(label, n): {"drafted": [0] * (n - 1), "accepted": [0] * (n - 1), "emitted": 0, "passes": 0,

@@ -152,7 +152,7 @@ def speculative_steps(generation, tokenizer, max_steps: int | None = 24):
 
 
 def acceptance_by_position(results: dict):
-    """results: n_draft -> acceptance dict (as qmtp.evaluate.acceptance returns). Two panels: acceptance
+    """results: n_draft -> acceptance dict (as qmtp.book.evaluate.acceptance returns). Two panels: acceptance
     per draft position for each n_draft, and tokens per trunk pass."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(7.4, 3.2), layout="constrained", width_ratios=(3, 2))
     ns = list(results)
@@ -245,7 +245,7 @@ def bit_packing(bits: int, n_codes: int = 16):
 
 
 def width_curves(by_width: dict, xlabel: str):
-    """Perplexity and acceptance against width (dict width -> metrics from qmtp.quality)."""
+    """Perplexity and acceptance against width (dict width -> metrics from qmtp.book.quality)."""
     labels = [str(w) for w in by_width]
     fig, (left, right) = plt.subplots(1, 2, figsize=(7.4, 3))
     left.plot(labels, [m["perplexity"] for m in by_width.values()], "o-", color=TRUNK)
@@ -261,7 +261,7 @@ def width_curves(by_width: dict, xlabel: str):
 
 def expert_union(report: dict, n_experts: int, top_k: int):
     """Distinct experts a verify pass read per layer (dots, one per layer) against the independent-routing
-    formula E(1-(1-k/E)^n) (line) and the no-sharing bound n*k (dashed), for each n_draft of `qmtp.bench.mtp`."""
+    formula E(1-(1-k/E)^n) (line) and the no-sharing bound n*k (dashed), for each n_draft of `qmtp.book.bench.mtp`."""
     from .throughput import expected_union
 
     fig, ax = plt.subplots()
@@ -284,7 +284,7 @@ def expert_union(report: dict, n_experts: int, top_k: int):
 
 
 def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
-    """Predicted speedup over plain decoding against n_draft (rows of `qmtp.throughput.real_model_table`): one
+    """Predicted speedup over plain decoding against n_draft (rows of `qmtp.book.throughput.real_model_table`): one
     line per (model, width); the band `claimed` (low, high) marks reported speedups."""
     fig, ax = plt.subplots()
     styles = {"MoE": "-", "dense, same active size": "--"}
@@ -308,7 +308,7 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
 
 def measured_vs_predicted(report: dict):
     """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the cost
-    model's prediction from its fitted overhead and bandwidth (dots), from `qmtp.bench.mtp`."""
+    model's prediction from its fitted overhead and bandwidth (dots), from `qmtp.book.bench.mtp`."""
     results = report["results"]
     predictions = {p["n_draft"]: p for p in report["cost_model"]["predictions"]}
     plain = next(r for r in results if r["n_draft"] == 1)
@@ -333,7 +333,7 @@ def measured_vs_predicted(report: dict):
 
 def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, unit_name: str = "GB",
                    other_below: float = 0.01):
-    """Stacked bars: what one pass reads, by term (dict label -> `qmtp.throughput` breakdown), its total on
+    """Stacked bars: what one pass reads, by term (dict label -> `qmtp.book.throughput` breakdown), its total on
     top. Terms below `other_below` of the largest total in every pass (too thin to see) are summed into one
     "other" segment whose legend entry names them."""
     import textwrap

@@ -1,6 +1,6 @@
 """The bundled model's card: measured, then written from the measurements.
 
-    python -m qmtp.card MODEL_DIR [--train-dir runs/tiny]
+    python -m qmtp.tiny.card MODEL_DIR [--train-dir runs/tiny]
 
 measures the model in MODEL_DIR (held-out accuracy and perplexity with each fix and without, per register;
 the head's accuracy; greedy acceptance for n_draft 2 to 5; continuations of a few prompts), writes
@@ -17,11 +17,12 @@ import platform
 import time
 from pathlib import Path
 
-from . import corpus, evaluate
-from .checkpoint import Checkpoint
-from .config import ModelConfig
+from ..checkpoint import Checkpoint
+from ..config import ModelConfig
+from ..loading import load
+from ..book import evaluate
+from . import corpus
 from .train import TOKENIZER_SAMPLE_BYTES
-from .model import load
 
 PROMPTS = (
     "Once upon a time, a little fox named",
@@ -31,8 +32,8 @@ PROMPTS = (
     "A cat is an animal.",
 )
 FIX_VARIANTS = {"both fixes": ("norm", "conv"), "norm fix left out": ("conv",), "conv fix left out": ("norm",)}
-TRAINING_COMMAND = "python -m qmtp.train runs/tiny --steps {steps} --batch {batch} --length {length} --export runs/tiny/export"
-HEAD_TRAINING_COMMAND = ("python -m qmtp.train runs/tiny-head --head-only --start-head previous --chained {chained} "
+TRAINING_COMMAND = "python -m qmtp.tiny.train runs/tiny --steps {steps} --batch {batch} --length {length} --export runs/tiny/export"
+HEAD_TRAINING_COMMAND = ("python -m qmtp.tiny.train runs/tiny-head --head-only --start-head previous --chained {chained} "
                          "--chain-decay {chain_decay} --targets {targets} --steps {steps} --batch {batch} --length {length} "
                          "--lr {lr} --export runs/tiny-head/export")
 HEAD_TRAINING_FILE = "head_training.json"
@@ -68,7 +69,7 @@ def measure(model_dir: Path, per_register: int = 40, prompts_per_register: int =
             str(n): evaluate.acceptance(model, all_prompts, n_draft=n, max_tokens=max_tokens, head=previous)
             for n in range(2, 6)
         }
-    from .speculative import generate
+    from ..speculative import generate
 
     out["continuations"] = [{"prompt": p, "text": generate(model, p, max_tokens=40).text} for p in PROMPTS]
     out["seconds"] = round(time.time() - started, 1)
@@ -89,10 +90,10 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
     lines = [
         "# The bundled tiny model",
         "",
-        "The architecture of Qwen3.6-35B-A3B at toy widths, trained by `qmtp.train` on the generated corpus of",
-        "`qmtp.corpus`, shipped in the released layout (multimodal `config.json`, `model.language_model.*` and",
+        "The architecture of Qwen3.6-35B-A3B at toy widths, trained by `qmtp.tiny.train` on the generated corpus of",
+        "`qmtp.tiny.corpus`, shipped in the released layout (multimodal `config.json`, `model.language_model.*` and",
         "`mtp.*` keys, fused experts, zero-centred norms stored as w, conv kernels as [C, 1, K], bfloat16).",
-        "Every figure below was measured by `python -m qmtp.card` and is stored in `measurements.json`.",
+        "Every figure below was measured by `python -m qmtp.tiny.card` and is stored in `measurements.json`.",
         "",
         "## Configuration",
         "",
@@ -111,9 +112,9 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
         "",
         "## Corpus and training",
         "",
-        f"Corpus: `qmtp.corpus.splits(seed={training['seed']}, n_train={training['n_train']}, "
+        f"Corpus: `qmtp.tiny.corpus.splits(seed={training['seed']}, n_train={training['n_train']}, "
         f"n_heldout={training['n_heldout']})`, registers {', '.join(corpus.REGISTERS)}; held-out documents that also",
-        "occur verbatim in training are excluded from every measurement (`qmtp.corpus.unseen_heldout`).",
+        "occur verbatim in training are excluded from every measurement (`qmtp.tiny.corpus.unseen_heldout`).",
         f"Tokenizer: byte-level BPE, {config.vocab_size} tokens, trained on the first "
         f"{TOKENIZER_SAMPLE_BYTES / 1e6:g} MB of the training split.",
         "",
@@ -133,13 +134,13 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
         final = head["final"]
         steps = head["chained"] + 1
         lines += [
-            "Then the head alone, trunk frozen, for chained drafting (`qmtp.train`'s head-only stage): "
+            "Then the head alone, trunk frozen, for chained drafting (`qmtp.tiny.train`'s head-only stage): "
             f"`{HEAD_TRAINING_COMMAND.format(**head)}` ({head['tokens']:,} tokens, {head['elapsed'] / 60:.0f} minutes "
             f"on {head['cores']} CPU cores). Loss: {steps} unrolled steps, step 1 on the trunk's states, steps 2 to "
             f"{steps} on the head's own outputs, weighted {head['chain_decay']}^(j-1), each against the "
             f"{'trunk' + chr(39) + 's next-token distribution' if head['targets'] == 'trunk' else 'text' + chr(39) + 's tokens'}"
             f"; + {head['balance_weight']} x the head's balance term. The head it started from is kept in "
-            f"`{evaluate.PREVIOUS_HEAD_FILE}` (`qmtp.evaluate.previous_head`).",
+            f"`{evaluate.PREVIOUS_HEAD_FILE}` (`qmtp.book.evaluate.previous_head`).",
             "Held-out probe, teacher-forced, head top-1 = trunk top-1 per unrolled step: before "
             + ", ".join(_fmt(head["first"][f"heldout_agree_{j}"]) for j in range(1, 5)) + "; after "
             + ", ".join(_fmt(final[f"heldout_agree_{j}"]) for j in range(1, 5)) + ".",
@@ -178,7 +179,7 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
     lines += ["", "## Acceptance by draft length (greedy, all registers)", ""]
     lines += acceptance_table(measurements["acceptance"])
     if "acceptance_previous_head" in measurements:
-        lines += ["", "The same prompts with the head before its chained training (`qmtp.evaluate.previous_head`):", ""]
+        lines += ["", "The same prompts with the head before its chained training (`qmtp.book.evaluate.previous_head`):", ""]
         lines += acceptance_table(measurements["acceptance_previous_head"])
     lines += ["", "## Greedy continuations", ""]
     for c in measurements["continuations"]:
@@ -218,14 +219,14 @@ def head_training_record(train_dir: Path) -> dict:
 
 
 def plot_loss_curve(curve: list[dict], path: Path) -> None:
-    from .plots import loss_curve
+    from ..book.plots import loss_curve
 
     figure = loss_curve(curve)
     figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qmtp.card", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qmtp.tiny.card", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--train-dir", type=Path, help="the training folder (writes training.json from its record)")
     parser.add_argument("--head-train-dir", type=Path, help=f"a head-only stage's folder (writes {HEAD_TRAINING_FILE})")

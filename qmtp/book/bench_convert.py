@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TOOLS = ("cp", "qmtp", "mlx-lm")
 MAX_EXPERTS = 256
@@ -37,8 +37,8 @@ def source_config(gb: float):
     """The real widths, 4 layers, vocabulary 32768, and the fewest routed experts (a multiple of 8, at most
     256) that make the bf16 checkpoint at least `gb` GB."""
     from .bench import SCALED_REAL_WIDTHS
-    from .config import QWEN36_35B_A3B
-    from .sizes import UNQUANTIZED, sizes
+    from ..config import QWEN36_35B_A3B
+    from ..sizes import UNQUANTIZED, sizes
 
     base = QWEN36_35B_A3B.replace(**SCALED_REAL_WIDTHS)  # bench decode's widths; the experts are set below
     for experts in range(8, MAX_EXPERTS + 1, 8):
@@ -52,11 +52,11 @@ def source_config(gb: float):
 def write_source(directory, config) -> Path:
     """The synthetic bf16 checkpoint of `config` with the bundled tokenizer files; kept and reused when the
     directory already holds this config."""
-    from .config import ModelConfig
-    from .errors import QmtpError
-    from .model import BUNDLED_MODEL
-    from .synthetic import write_checkpoint
-    from .tokenizer import CONFIG_FILE, TOKENIZER_FILE
+    from ..config import ModelConfig
+    from ..errors import QmtpError
+    from ..loading import BUNDLED_MODEL
+    from ..tiny.synthetic import write_checkpoint
+    from ..tokenizer import CONFIG_FILE, TOKENIZER_FILE
 
     directory = Path(directory)
     if (directory / "model.safetensors").is_file():
@@ -77,9 +77,9 @@ def write_source(directory, config) -> Path:
 
 def write_preset_source(directory, preset: str) -> Path:
     """`synthetic --preset PRESET --sparse` into `directory`, kept and reused when it is already there."""
-    from .config import ModelConfig
-    from .errors import QmtpError
-    from .synthetic import PRESETS, write_preset
+    from ..config import ModelConfig
+    from ..errors import QmtpError
+    from ..tiny.synthetic import PRESETS, write_preset
 
     directory = Path(directory)
     if (directory / "config.json").is_file():
@@ -150,7 +150,7 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
     source that preset with sparse experts instead: the release's full size (cp then copies only the data
     blocks, since GNU cp keeps holes holes; qmtp and mlx-lm read every byte).
     """
-    from .synthetic import PRESETS
+    from ..tiny.synthetic import PRESETS
 
     if preset is not None and preset not in PRESETS:
         raise UsageError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
@@ -175,7 +175,7 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
         source_bytes = sum(f.stat().st_size for f in source.iterdir() if f.is_file())
         free = shutil.disk_usage(workdir).free
         if preset:  # the largest output: qmtp's, which keeps the head
-            from .sizes import sizes
+            from ..sizes import sizes
 
             needed = 1.1 * sizes(config, bits=bits, group_size=group_size).total_bytes
             if free < needed:

@@ -2,7 +2,7 @@
 sets each claim beside what the chapters measured.
 
 Only claims live here as typed values. Every measured value comes from a chapter's saved results
-(`qmtp.results`); `check` turns them into chapter 7's table, with a verdict computed by the rule stated
+(`qmtp.book.results`); `check` turns them into chapter 7's table, with a verdict computed by the rule stated
 next to each claim: holds, does not hold, or cannot be tested here (and why).
 """
 
@@ -23,9 +23,9 @@ CLAIMS = {
     c.key: c
     for c in (
         Claim("fixes_needed", "without the +1 norm shift and the conv1d layout fix the output is incoherent", None,
-              "the seed's model card; Qwen3-Next conversion notes (REFERENCE section 3)"),
+              "the seed's model card; mlx-lm models/qwen3_5.py (sanitize: the +1 shift and moveaxis(2, 1))"),
         Claim("double_shift", "re-converting an MLX checkpoint shifts the norms a second time and breaks it", None,
-              "lemon-mlx-engine shifts unconditionally (REFERENCE sections 3 and 8)"),
+              "lemon-mlx-engine's convert shifts the norms unconditionally"),
         Claim("variant_sizes_gb", "4/6/8-bit conversions weigh about 20, 28 and 36 GB", {4: 20, 6: 28, 8: 36},
               "the seed's model card, table of variants"),
         Claim("head_size_gb", "the MTP head is about 0.5 GB", 0.5, "the seed's model card"),
@@ -33,14 +33,14 @@ CLAIMS = {
               "lemon-mlx-engine report (June 2026); 0.76-0.80 in several engines"),
         Claim("acceptance_n_draft_3", "about 59% at n_draft=3", 0.59, "lemon-mlx-engine report (June 2026)"),
         Claim("crippled_head", "a conversion that drops the head's routed experts cripples its drafting "
-              "(acceptance 0 in an earlier engine)", None, "earlier lemon-mlx-engine conversions (REFERENCE section 8)"),
+              "(acceptance 0 in an earlier engine)", None, "earlier lemon-mlx-engine conversions"),
         Claim("bf16_head", "keep the MTP head in bf16: quantizing it costs acceptance", None, "the seed's model card"),
         Claim("speedup_moe", "MTP gives 1.1x to 1.4x on A3B MoE models", (1.1, 1.4),
               "vllm-mlx PR #245, llama.cpp PR #22673, kyuz0/amd-strix-halo-vllm-toolboxes issue #53"),
         Claim("speedup_radeon_890m", "26.1 tok/s plain vs 27.3 with MTP on a Radeon 890M", (26.1, 27.3),
               "lemon-mlx-engine report"),
         Claim("rocm_6bit_fault", "a ROCm build of MLX returns garbage from 6-bit quantized matmuls", 6,
-              "NripeshN/mlx, mlx/backend/rocm/quantized/qmm.hip (REFERENCE section 7)"),
+              "NripeshN/mlx, mlx/backend/rocm/quantized/qmm.hip"),
     )
 }
 
@@ -215,7 +215,7 @@ def _widths(bits) -> str:
 
 def is_real_model(config) -> bool:
     """Whether `config` is Qwen3.6-35B-A3B's (the widths that decide its numbers), not a smaller stand-in."""
-    from .config import QWEN36_35B_A3B
+    from ..config import QWEN36_35B_A3B
 
     fields = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
               "vocab_size")

@@ -11,7 +11,7 @@ missed by all n tokens with probability (1 - k/E)^n, so the expected union is
     U(n) = E (1 - (1 - k/E)^n)                                                        (`expected_union`)
 
 8 for one token, about 15.75 for two at E=256, k=8. Real routing is correlated between neighbouring tokens,
-so measured unions are smaller; `qmtp.bench.mtp` measures them per layer.
+so measured unions are smaller; `qmtp.book.bench.mtp` measures them per layer.
 
 **2. Bytes a pass reads** (`trunk_pass_bytes`), from the stored size of every tensor (`qmtp.sizes`):
 every weight of the mixers (attention or gated DeltaNet), the routers, the shared experts, the final norm and
@@ -28,7 +28,7 @@ is almost all overhead (the dispatch regime). `fit_machine` recovers both number
 **4. Speedup.** With per-position acceptance rates a_1, a_2, ... (a draft at position i is proposed only if
 the ones before it were accepted), a step that verifies k = n_draft - 1 drafts emits on average
 
-    tau = 1 + sum_{i=1..k} prod_{j<=i} a_j                                   (`expected_tokens_per_pass`)
+    tau = 1 + sum_{i=1..k} prod_{j<=i} a_j                                   (`adaptive.expected_tokens_per_pass`)
 
 tokens and costs one trunk pass over n_draft tokens plus k head steps, against tau plain passes:
 
@@ -44,9 +44,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..adaptive import expected_tokens_per_pass
+from ..config import FULL, LINEAR, ModelConfig
+from ..sizes import SizeReport, sizes
 from .claims import CLAIMS
-from .config import FULL, LINEAR, ModelConfig
-from .sizes import SizeReport, sizes
 
 GB = 1e9
 
@@ -55,16 +56,6 @@ GB = 1e9
 def expected_union(n_experts: int, top_k: int, n_tokens: int) -> float:
     """Expected number of distinct experts n tokens touch under independent uniform top-k routing."""
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
-
-
-# ---- 4. (first) tokens per pass -------------------------------------------------------------------------------
-def expected_tokens_per_pass(rates) -> float:
-    """1 + sum_i prod_{j<=i} a_j: tokens a step emits on average, given per-position acceptance rates a_j."""
-    total, survive = 1.0, 1.0
-    for a in rates:
-        survive *= a
-        total += survive
-    return total
 
 
 def geometric_rates(first: float, second: float, n: int) -> list[float]:
@@ -165,7 +156,7 @@ def sizes_of(model) -> SizeReport:
     on the CPU, or codes + scales + biases when quantized), as a report shaped like `qmtp.sizes.sizes`."""
     from mlx.utils import tree_flatten
 
-    from .sizes import TensorSize, category
+    from ..sizes import TensorSize, category
 
     parts: dict[str, dict] = {}
     for name, w in tree_flatten(model.parameters()):
@@ -262,11 +253,11 @@ def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_dra
     """Predicted tokens/s and speedup vs n_draft for Qwen3.6-35B-A3B (MoE) and a dense model of equal active
     size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s.
 
-    rates: per-position acceptance; default the reported rates at n_draft 2 and 3 (`qmtp.claims.CLAIMS`), read
+    rates: per-position acceptance; default the reported rates at n_draft 2 and 3 (`qmtp.book.claims.CLAIMS`), read
     as the first two positions, shrinking geometrically after. mtp_bits: "same" (the head at the trunk's width), None
     (bf16) or a width. overhead: seconds per trunk pass and per head step beyond reading bytes.
     """
-    from .config import QWEN36_35B_A3B
+    from ..config import QWEN36_35B_A3B
 
     config = config or QWEN36_35B_A3B
     n_drafts = list(n_drafts)

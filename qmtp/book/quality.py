@@ -10,9 +10,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .convert import convert
+from ..convert import convert
+from ..loading import load
 from .evaluate import acceptance, text_metrics
-from .model import load
 
 
 def measure_variant(src, texts: list[str], prompts: list[list[int]], max_tokens: int = 40, **convert_options) -> dict:

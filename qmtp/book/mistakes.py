@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import fixes
-from .conventions import conv_to_torch, is_conv_kernel
-from .model import Model, load
+from .. import fixes
+from ..conventions import conv_to_torch, is_conv_kernel
+from ..loading import load
+from ..model import Model
 
 
 CONV_MISTAKES = {
@@ -68,7 +69,7 @@ def norm_weights(path) -> dict[str, list[float]]:
 def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30) -> dict:
     """Run one variant: held-out accuracy and perplexity and a greedy continuation, or MLX's refusal."""
     from .evaluate import text_metrics
-    from .speculative import generate
+    from ..speculative import generate
 
     try:
         model = make_model()

@@ -1,9 +1,9 @@
-"""Training the bundled tiny model: `python -m qmtp.train OUT [--quick]`, or its head alone (`--head-only`).
+"""Training the bundled tiny model: `python -m qmtp.tiny.train OUT [--quick]`, or its head alone (`--head-only`).
 
 The tiny model is the real architecture scaled down (every layer a 256-expert top-8 MoE with a gated
 shared expert, 3 linear + 1 full attention layers repeated, gated attention with partial rotary, an MTP
 head that is a full decoder layer with its own 256 experts). It is trained here on the generated corpus
-of `qmtp.corpus` with three terms:
+of `qmtp.tiny.corpus` with three terms:
 
     loss = CE(trunk logits at t, x_{t+1})
          + mtp_weight * CE(head logits at t, x_{t+2})     # head sees h_t (post final norm) and embed(x_{t+1})
@@ -26,7 +26,7 @@ only, the control that tells the chained steps' effect from that of more trainin
 
 Seeded and resumable: every `--save-every` steps the weights, optimizer state and loss history are
 written to OUT/train_state (atomically), and a rerun with the same OUT continues from there. The result
-is exported in the released Qwen3.6 layout by `qmtp.export`.
+is exported in the released Qwen3.6 layout by `qmtp.tiny.export`.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ModelConfig
-from .conventions import is_conv_kernel
-from .errors import QmtpError, UsageError
-from .model import Model
+from ..config import ModelConfig
+from ..conventions import is_conv_kernel
+from ..errors import QmtpError, UsageError
+from ..model import Model
 
 # The tiny model: real layer pattern and expert count, toy widths. 8 trunk layers + the head's layer,
 # each with 256 experts of intermediate width 16 (its parameter count and size are in its model card).
@@ -250,7 +250,7 @@ def prepare_head_data(out: Path, source: Path, seed: int, n_train: int) -> dict:
     import shutil
 
     from . import corpus
-    from . import tokenizer as tok
+    from .. import tokenizer as tok
     from .export import TOKENIZER_FILES
 
     data_dir = out / "data"
@@ -276,8 +276,8 @@ def prepare_head_data(out: Path, source: Path, seed: int, n_train: int) -> dict:
 def load_start(source: Path, start: str) -> Model:
     """The model in `source`, in float32, with the head a head-only stage starts from: its own ("own"), or the
     one its folder keeps from before its last head-only stage ("previous", which reruns that stage exactly)."""
-    from . import evaluate
-    from .model import load
+    from ..book import evaluate
+    from ..loading import load
 
     if start not in ("own", "previous"):
         raise UsageError(f"--start-head {start}: use 'own' (the model's head) or 'previous' (the head it keeps)")
@@ -296,7 +296,7 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
     """Train (or resume) the head of the model in `source` for chained drafting; the trunk stays as loaded."""
     from tqdm import tqdm
 
-    from . import evaluate
+    from ..book import evaluate
 
     if targets not in ("trunk", "text"):
         raise UsageError(f"--targets {targets}: use 'trunk' (the trunk's distributions) or 'text' (the text's tokens)")
@@ -359,7 +359,7 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
 
 
 def save_head(head, path: Path) -> None:
-    """A head's effective weights in bfloat16 under qmtp's own names (`qmtp.evaluate.load_head` reads them)."""
+    """A head's effective weights in bfloat16 under qmtp's own names (`qmtp.book.evaluate.load_head` reads them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial.safetensors")
     weights = {n: w.astype(mx.bfloat16) for n, w in tree_flatten(head.parameters())}
@@ -372,8 +372,8 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
     (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons)."""
     import shutil
 
-    from .checkpoint import Checkpoint, write_safetensors
-    from .evaluate import PREVIOUS_HEAD_FILE
+    from ..checkpoint import Checkpoint, write_safetensors
+    from ..book.evaluate import PREVIOUS_HEAD_FILE
     from .export import TOKENIZER_FILES, export_released
 
     export_released(model, dest)
@@ -408,7 +408,7 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
 def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size: int) -> dict:
     """Corpus -> tokenizer -> token streams, cached in OUT/data so a resumed run does not redo them."""
     from . import corpus
-    from . import tokenizer as tok
+    from .. import tokenizer as tok
 
     data_dir = out / "data"
     cached = data_dir / "tokens.npz"
@@ -548,7 +548,7 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qmtp.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qmtp.tiny.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="working folder (resumable state, data cache, loss curve)")
     parser.add_argument("--export", type=Path, help="write the trained model here in the released layout")
     parser.add_argument("--quick", action="store_true", help="a smaller copy in about a minute (for tests)")
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
 
 
 def main_head_only(args) -> int:
-    from .model import BUNDLED_MODEL, resolve_path
+    from ..loading import BUNDLED_MODEL, resolve_path
 
     source = resolve_path(args.source or BUNDLED_MODEL)
     steps = args.steps or 600
