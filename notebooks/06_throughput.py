@@ -48,7 +48,7 @@ import os
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import bench, evaluate, inventory, plots, results, throughput
+from qmtp.book import bench, claims, evaluate, inventory, plots, results, throughput
 from qmtp.book.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -268,9 +268,66 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # nothing. A head draft step costs {glue:text}`tiny_head_ms:.2f` ms; if a verify pass cost what a plain pass
 # costs, `n_draft=2` would give {glue:text}`tiny_ideal_n2:.2f`x ("ideal" in the table); what lies between
 # that and the measurement is the price of the extra rows. The model predicts {glue:text}`tiny_pred_n2:.2f`x at `n_draft=2`,
-# {glue:text}`tiny_meas_n2:.2f`x is measured, and {glue:text}`tiny_verdict`. At the real widths the
-# bytes term dominates and the union of experts takes most of the gain back, as the previous section
-# predicts: the same equation with a different term in charge.
+# {glue:text}`tiny_meas_n2:.2f`x is measured, and {glue:text}`tiny_verdict`. On a memory-bound machine at
+# the real widths the bytes term dominates and the union of experts takes most of the gain back, as the
+# previous section predicts: the same equation with a different term in charge. Whether this machine is one
+# is measured next.
+#
+# ## At the real widths, measured
+#
+# The real model is not here, but its widths can be: the first four of its layers (three DeltaNet, one
+# attention) with all 256 experts, its head and its vocabulary of 248,320, built in memory as a 4-bit
+# conversion loads on a 24 GB machine (the trunk 4-bit, the head's experts in bf16; `bench.real_width_model`).
+# Its weights are seeded constants, except the embeddings and the routers, which are random so that tokens
+# route apart: a product takes the same time whatever its values. Each pass is compiled and timed alone
+# (`bench.real_width_passes`). If time followed bytes, as on a memory-bound machine, each pass's time over
+# the plain pass would be its bytes over the plain pass's (what it reads, with independent routing). With
+# `QMTP_MODEL` set to a full-size conversion, the same cell times the model itself.
+
+# %%
+real = model if claims.is_real_model(model.config) else bench.real_width_model()
+real_passes = bench.real_width_passes(real, prompts[0], n_drafts=(2, 3), budget=2.0 if QUICK else 4.0)
+if real is not model:
+    del real  # 5 GB: not kept for the rest of the chapter
+display(Markdown(inventory.markdown_table(
+    [{"pass": r["pass"], "ms": r["seconds"] * 1e3, "time / plain": r["time_over_plain"], "MB read": r["bytes"] / 1e6,
+      "bytes / plain": r["bytes_over_plain"]} for r in real_passes["rows"]],
+    ["pass", "ms", "time / plain", "MB read", "bytes / plain"],
+    {"ms": "{:.0f}", "time / plain": "{:.2f}x", "MB read": "{:.0f}", "bytes / plain": "{:.2f}x"})))
+by_pass = {r["pass"]: r for r in real_passes["rows"]}
+plain_row, verify2, verify3, head_row = (by_pass[k] for k in ("plain, 1 token", "verify, 2 tokens",
+                                                                "verify, 3 tokens", "head draft"))
+# A step at n_draft=2 pays when its tokens per pass (2 at most) exceed its cost in plain passes.
+real_break_even = verify2["time_over_plain"] + head_row["time_over_plain"]
+glue("real_layers", real_passes["layers"], display=False)
+glue("real_plain_ms", plain_row["seconds"] * 1e3, display=False)
+glue("real_v2_time", verify2["time_over_plain"], display=False)
+glue("real_v2_bytes", verify2["bytes_over_plain"], display=False)
+glue("real_v3_time", verify3["time_over_plain"], display=False)
+glue("real_v3_bytes", verify3["bytes_over_plain"], display=False)
+glue("real_extra_token", (verify3["time_over_plain"] - 1) / 2, display=False)
+glue("real_head_time", head_row["time_over_plain"], display=False)
+glue("real_head_bytes", head_row["bytes_over_plain"], display=False)
+glue("real_break_even", real_break_even, display=False)
+glue("real_bound", "compute-bound, not memory-bound" if verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]
+     else "close to memory-bound", display=False)
+glue("real_verdict", f"so drafting cannot pay on this machine at the real widths: even a head that is always "
+     f"right gives 2 tokens per pass, fewer than the {real_break_even:.2f} it needs" if real_break_even >= 2 else
+     f"so drafting can pay here once a pass yields more than {real_break_even:.2f} tokens", display=False)
+
+# %% [markdown]
+# At the real widths a plain pass through these {glue:text}`real_layers` layers takes
+# {glue:text}`real_plain_ms:.0f` ms. A verify pass over two tokens takes {glue:text}`real_v2_time:.2f`x as long
+# while reading only {glue:text}`real_v2_bytes:.2f`x the bytes, and over three tokens
+# {glue:text}`real_v3_time:.2f`x for {glue:text}`real_v3_bytes:.2f`x: each extra token costs about
+# {glue:text}`real_extra_token:.2f` of a plain pass. This machine is {glue:text}`real_bound`: here the time of
+# a quantized product grows with its rows, so a pass over n tokens costs nearly n passes, however many experts
+# its tokens share. A head draft costs {glue:text}`real_head_time:.2f` of a plain pass (it reads
+# {glue:text}`real_head_bytes:.2f`x a plain pass's bytes: its own layer and the shared lm_head, which in four
+# layers instead of forty weighs far more than in the whole model). A step at `n_draft=2` therefore costs
+# {glue:text}`real_break_even:.2f` plain passes, {glue:text}`real_verdict`. Where a pass's time follows its
+# bytes (an accelerator reading from memory), the bytes column is the one that prices it, and the prediction
+# of the previous sections applies.
 #
 # ## Choosing the width as you go
 #

@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from qmtp.book import bench
@@ -111,3 +112,29 @@ def test_bench_convert_source_reaches_the_size_asked_for():
     for bad in (dict(rounds=0), dict(gb=0), dict(gb=float("nan"))):
         with pytest.raises(UsageError):
             bench_convert.run(**bad)
+
+
+def test_the_real_width_model_is_built_as_a_conversion_loads_and_routes_tokens_apart():
+    from qmtp.moe import QuantizedStackedLinear
+
+    model = bench.real_width_model(layers=4, hidden_size=256, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=64, num_experts=16, vocab_size=1024,
+                                   linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4,
+                                   num_key_value_heads=1)
+    assert isinstance(model.layers[0].mlp.experts.gate_proj, QuantizedStackedLinear)
+    assert model.layers[0].mlp.experts.gate_proj.bits == 4
+    assert model.layers[0].mlp.gate.bits == 8  # the router, as convert writes it
+    assert model.mtp.layers[0].mlp.experts.gate_proj.weight.dtype == mx.bfloat16  # the head as stored
+    assert model.dtype == mx.float32
+    assert mx.isfinite(model(mx.array([list(range(1, 9))]))).all().item()
+    x = model.embed(mx.array([list(range(1, 9))]))
+    first_choice = mx.argmax(model.layers[0].mlp.gate(model.layers[0].post_attention_layernorm(x)), axis=-1)
+    assert len(set(first_choice.tolist()[0])) > 1  # seeded routers: tokens do not all go to one expert
+
+    report = bench.real_width_passes(model, list(range(1, 9)), n_drafts=(2, 3), budget=0.05)
+    rows = {r["pass"]: r for r in report["rows"]}
+    assert list(rows) == ["plain, 1 token", "verify, 2 tokens", "verify, 3 tokens", "head draft"]
+    assert rows["plain, 1 token"]["time_over_plain"] == 1 and rows["plain, 1 token"]["bytes_over_plain"] == 1
+    assert 1 < rows["verify, 2 tokens"]["bytes_over_plain"] < rows["verify, 3 tokens"]["bytes_over_plain"]
+    assert all(r["seconds"] > 0 for r in rows.values())
+    assert report["layers"] == 4 and report["experts"] == 16

@@ -133,8 +133,87 @@ def scaled_checkpoint(directory, bits: int = SCALED_BITS, progress: bool = False
     return converted
 
 
+# ---- the real widths, in memory ------------------------------------------------------------------------------
+def real_width_model(layers: int = 4, bits: int = 4, seed: int = 0, **overrides) -> Model:
+    """Qwen3.6-35B-A3B's first `layers` layers (3 DeltaNet, 1 attention), its head and its vocabulary at their
+    real widths and expert counts, built in memory as a `bits`-bit conversion loads on a machine that stores it
+    in bfloat16: the trunk quantized (routers at 8 bits), the head's 256 experts in bfloat16, computed in
+    float32. Made to be timed, not to be read: the embeddings and the routers are seeded at random, so tokens
+    route differently and a verify pass reads a realistic union of experts; every other weight is a constant
+    (a product takes the same time whatever its values), which builds in seconds instead of minutes.
+    `overrides`: config fields to change (the tests build it at small widths)."""
+    import math
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from .. import cores
+    from ..config import QWEN36_35B_A3B
+    from ..conventions import ROUTER_BITS, is_router
+
+    config = QWEN36_35B_A3B.replace(num_hidden_layers=layers, layer_types=default_layer_types(layers), **overrides)
+    model = Model(config)
+
+    def width(path, module):
+        if path.startswith("mtp.") or not hasattr(module, "to_quantized") or module.weight.shape[-1] % 64:
+            return False
+        return {"group_size": 64, "bits": ROUTER_BITS if is_router(f"{path}.weight") else bits, "mode": "affine"}
+
+    nn.quantize(model, class_predicate=width)
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+    key = mx.random.key(seed)
+    for name, p in tree_flatten(model.parameters()):
+        key, draw = mx.random.split(key)
+        path, _, leaf = name.rpartition(".")
+        module = modules.get(path)
+        seeded = name.startswith("embed_tokens.") or is_router(f"{path}.weight")
+        if p.dtype == mx.uint32:  # codes
+            w = (mx.random.randint(0, 2**31 - 1, p.shape, dtype=mx.int32, key=draw).view(mx.uint32) if seeded
+                 else mx.full(p.shape, 0x7777_7777, mx.uint32))
+        elif leaf in ("scales", "biases"):  # values spread over +-1/sqrt(fan-in), as a random init would be
+            reach = 1 / math.sqrt(module.weight.shape[-1] * 32 // module.bits)
+            w = mx.full(p.shape, 2 * reach / (2**module.bits - 1)) if leaf == "scales" else mx.full(p.shape, -reach)
+        elif name.endswith("norm.weight"):
+            w = mx.ones(p.shape)
+        else:
+            dtype = mx.bfloat16 if ".experts." in name else mx.float32
+            w = ((mx.random.normal(p.shape, key=draw) / math.sqrt(p.shape[-1])).astype(dtype) if seeded
+                 else mx.full(p.shape, 0.5 / math.sqrt(p.shape[-1]), dtype))
+        model.update(tree_unflatten([(name, w)]))
+        mx.eval(w)
+    model.eval()
+    model._lm_head_split = cores.split_lm_head(model.lm_head)
+    return model
+
+
+def real_width_passes(model: Model, prompt: list[int], n_drafts=(2, 3), budget: float = 4.0) -> dict:
+    """What one plain pass, one verify pass over each of `n_drafts` tokens and one head draft cost on this
+    machine (`pass_costs`, each timed alone), beside what they read (`throughput`, independent routing): if
+    time followed bytes, as on a memory-bound machine, each ratio to the plain pass would be its bytes' ratio."""
+    config = model.config
+    in_memory = throughput.sizes_of(model)
+    cache_bytes = 4 if model.dtype == mx.float32 else 2
+    context = len(prompt)
+    plain = pass_costs(model, prompt, 1, budget=budget)["verify"]
+    plain_bytes = throughput.total(throughput.trunk_pass_bytes(config, in_memory, 1, context, None, cache_bytes))
+    rows = [{"pass": "plain, 1 token", "seconds": plain, "bytes": plain_bytes}]
+    head = None
+    for n in n_drafts:
+        costs = pass_costs(model, prompt, n, budget=budget)
+        rows.append({"pass": f"verify, {n} tokens", "seconds": costs["verify"], "bytes": throughput.total(
+            throughput.trunk_pass_bytes(config, in_memory, n, context, None, cache_bytes))})
+        head = costs["head_per_draft"] if head is None else min(head, costs["head_per_draft"])
+    rows.append({"pass": "head draft", "seconds": head, "bytes": throughput.total(
+        throughput.head_step_bytes(config, in_memory, context, cache_bytes))})
+    for r in rows:
+        r["time_over_plain"] = r["seconds"] / plain
+        r["bytes_over_plain"] = r["bytes"] / plain_bytes
+    return {"layers": config.num_hidden_layers, "experts": config.num_experts, "vocab": config.vocab_size,
+            "rows": rows}
+
+
 # ---- speculative decoding: n_draft 1 to 5 -------------------------------------------------------------------
-def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30) -> dict:
+def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30, budget: float = 10.0) -> dict:
     """Seconds of one verify pass over `n_draft` tokens and of one head draft step, each compiled and timed
     alone (median of `repeats`) from the state after `prompt`: inside a generation the passes overlap with
     the host's work and cannot be told apart. A head draft step is the drafting of one step (the head over
@@ -149,11 +228,11 @@ def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30)
                               mx.random.key(0))
     tokens = mx.array([[last[1][0, 0].item()] * n_draft], mx.int32)
     verify = mx.compile(lambda s, t: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
-    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats)}
+    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats, budget)}
     if k:
         draft = mx.compile(lambda s, l: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
                            inputs=[model.state])
-        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats) / k
+        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats, budget) / k
     return out
 
 
