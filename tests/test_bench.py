@@ -37,10 +37,11 @@ def test_bench_decode_compares_with_mlx_lm(checkpoint, tmp_path, capsys):
 def test_bench_mtp_reports_unions_per_layer_and_a_cost_model(checkpoint, tmp_path, capsys):
     out = tmp_path / "mtp.json"
     args = ["bench", "mtp", str(checkpoint), "--max-tokens", "12", "--repeats", "1", "--n-draft-max", "3",
-            "--prompts-per-register", "1", "--json", str(out)]
+            "--prompts", "2", "--json", str(out)]
     assert main(args) == 0
     assert "experts per layer, measured" in capsys.readouterr().out
     report = json.loads(out.read_text())
+    assert report["prompts"] == 2  # only the first N: a full-size model is benched on one
     E, k, layers = 16, 4, 4
     assert [r["n_draft"] for r in report["results"]] == [1, 2, 3]
     for r in report["results"]:

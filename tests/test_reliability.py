@@ -914,7 +914,7 @@ def test_a_newline_in_a_path_stays_on_one_line(tmp_path):
     print(one_line_error(chat(tmp_path / "no\nsuch"), "no\\nsuch"))
 
 
-BENCH_FLAGS = {"--repeats": "0", "--prompts-per-register": "0", "--max-tokens": "-1", "--n-draft-max": "0"}
+BENCH_FLAGS = {"--repeats": "0", "--prompts-per-register": "0", "--prompts": "0", "--max-tokens": "-1", "--n-draft-max": "0"}
 
 
 @pytest.mark.parametrize("flag", list(BENCH_FLAGS))
