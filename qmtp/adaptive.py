@@ -15,11 +15,12 @@ tau(k) / c(k + 1). Neither is known in advance:
   wider widths get tried again;
 - the cost of a step is a property of the model and the machine, not of the text: each width's compiled
   step is timed once per model, pipelined as the decoding loop pipelines them (`time_steps`), the widths
-  interleaved in many short rounds. The planner does not correct these costs by the steps it runs: on a
-  shared machine a step's time varies by a third from one step to the next and by more from one second to
-  the next, so the few steps a generation times at each width say less about the widths' relative costs
-  (all that matters to the choice) than the calibration does, and replays of the bench's generations
-  (issue 14) chose better widths without the corrections than with them.
+  interleaved in short rounds, as many as the machine's noise needs for the widths' relative costs to be
+  known to a few percent (the choice between near widths turns on that). The planner does not correct
+  these costs by the steps it runs: on a shared machine a step's time varies by a third from one step to
+  the next and by more from one second to the next, so the few steps a generation times at each width say
+  less about the widths' relative costs (all that matters to the choice) than the calibration does, and
+  replays of the bench's generations (issue 14) chose better widths without the corrections than with them.
 
 Plain decoding (width 1) is the fallback when drafting does not pay: it stops the head, so once chosen it
 stays chosen (the head's cache would miss the positions decoded without it).
@@ -90,7 +91,8 @@ class DraftPlanner:
             self.accepted[i] += 1
 
 
-def time_steps(runs: dict, inputs: dict, rounds: int = 16, chain: int = 1, budget: float = 20.0) -> dict[int, float]:
+def time_steps(runs: dict, inputs: dict, rounds: tuple[int, int] = (12, 32), precision: float = 0.03,
+               chain: int = 1, budget: float = 10.0) -> dict[int, float]:
     """Seconds of one step at each width as the decoding loop runs them: each step queued before the host
     waits for the one before (so what the loop overlaps is overlapped here too), and timed as an interval
     between two reads inside a run of steps of one width.
@@ -101,11 +103,15 @@ def time_steps(runs: dict, inputs: dict, rounds: int = 16, chain: int = 1, budge
     n's step, `inputs[n]` = (state, last, key) its first inputs; each round runs `chain` + 2 steps of every
     width from its inputs, the order rotated from round to round.
 
-    What the planner needs is the widths' costs relative to each other, and a shared machine's pace drifts
-    from one second to the next by more than the widths differ: so the runs are short (the widths close in
-    time), each round's times are taken relative to that round's geometric mean (a slow round slows every
-    width alike), and the median over many rounds is kept, scaled by the median round. Where steps take
-    seconds (the real model on a small machine), fewer rounds keep the whole within about `budget` seconds."""
+    What the planner needs is the widths' costs relative to each other to a few percent, and a shared
+    machine's pace drifts from one second to the next by more than that: so the runs are short (the widths
+    close in time), each round's times are taken relative to that round's geometric mean (a slow round
+    slows every width alike), and the median over the rounds is kept, scaled by the median round. Rounds
+    are added, from `rounds[0]` up to `rounds[1]`, until every width's median is known to `precision`
+    (relative standard error): a quiet machine is done in the fewest (about 2 s for the bundled model on
+    2 cores), a busy one takes more (up to about 8 s there). Rounds stop once they have taken `budget`
+    seconds, and where steps take seconds (the real model on a small machine) fewer than `rounds[0]` are
+    run, to stay within about that."""
     widths = list(runs)
     for n in widths:  # the first calls of each trace and compile it
         mx.eval(runs[n](*inputs[n])[2])
@@ -113,9 +119,10 @@ def time_steps(runs: dict, inputs: dict, rounds: int = 16, chain: int = 1, budge
     for n in widths:
         mx.eval(runs[n](*inputs[n])[2])
     step = (time.perf_counter() - started) / len(widths)
-    rounds = max(1, min(rounds, int(budget / (step * len(widths) * (chain + 2)))))
-    relative, scales = {n: [] for n in widths}, []
-    for r in range(rounds):
+    fewest = max(1, min(rounds[0], int(budget / (step * len(widths) * (chain + 2)))))
+    relative, scales = {n: [] for n in widths}, []  # per round: log(time / the round's geometric mean)
+    started = time.perf_counter()
+    for r in range(rounds[1]):
         times = {}
         for n in widths[r % len(widths):] + widths[: r % len(widths)]:
             out = runs[n](*inputs[n])
@@ -130,10 +137,19 @@ def time_steps(runs: dict, inputs: dict, rounds: int = 16, chain: int = 1, budge
                     intervals.append(now - read)
                 out, read = queued, now
             out[2].tolist()
-            times[n] = statistics.median(intervals)
-        scale = math.exp(statistics.fmean(math.log(t) for t in times.values()))
-        scales.append(scale)
+            times[n] = math.log(statistics.median(intervals))
+        scales.append(statistics.fmean(times.values()))
         for n in widths:
-            relative[n].append(times[n] / scale)
+            relative[n].append(times[n] - scales[-1])
+        if r + 1 >= fewest and (time.perf_counter() - started > budget or
+                                max(map(_median_error, relative.values())) < precision):
+            break
     scale = statistics.median(scales)
-    return {n: statistics.median(r) * scale for n, r in relative.items()}
+    return {n: math.exp(statistics.median(r) + scale) for n, r in relative.items()}
+
+
+def _median_error(values: list[float]) -> float:
+    """Standard error of the median of `values`, from their spread (median absolute deviation, robust to the
+    slow steps a busy machine throws in): 1.25 sigma / sqrt(n), sigma = 1.48 MAD as for a normal sample."""
+    middle = statistics.median(values)
+    return 1.25 * 1.4826 * statistics.median(abs(v - middle) for v in values) / math.sqrt(len(values))

@@ -278,3 +278,20 @@ def test_planner_starts_from_the_counts_of_the_last_generation(small_vocab_model
     assert 0 < proposed[0] and all(0 <= a <= p for a, p in zip(accepted, proposed))
     planner = adaptive.DraftPlanner(costs={n: 1.0 for n in adaptive.WIDTHS}, proposed=proposed, accepted=accepted)
     assert planner.proposed is not proposed  # the next generation counts into a copy
+
+
+def test_time_steps_prices_widths_relative_to_each_other():
+    import mlx.core as mx
+
+    def run(size):  # a stand-in step: its cost grows with `size`; returns (state, last, report, experts, key)
+        def step(state, last, key):
+            x = state
+            for _ in range(size):
+                x = (x @ x) / 512.0
+            return x, last, x.sum().reshape(1), None, key
+        return step
+
+    start = mx.ones((256, 256)) / 256.0
+    runs = {n: run(4 * n) for n in (1, 2, 4)}
+    costs = adaptive.time_steps(runs, {n: (start, None, None) for n in runs}, rounds=(3, 6))
+    assert set(costs) == {1, 2, 4} and costs[1] < costs[2] < costs[4]
