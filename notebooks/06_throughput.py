@@ -333,14 +333,15 @@ glue("real_verdict", f"so drafting cannot pay on this machine at the real widths
 #
 # The best `n_draft` depends on the head's acceptance, which depends on the text, and on what a wider pass
 # costs, which depends on the model and the machine. `n_draft="auto"` (`qmtp.adaptive.DraftPlanner`) estimates
-# both while it decodes: the acceptance at each draft position from the drafts proposed and kept so far, and
-# the cost of a step at each width by timing every width's compiled step once per model, pipelined as the
-# decoding loop runs it. A shared machine does not keep one speed (here it drifts by a quarter within
-# seconds), so the planner also times the steps it runs and scales each width's calibrated cost by how long
-# its recent steps took against it; a width it has not yet timed is credited with a little optimism, so that
-# one the calibration priced too high still gets tried when it is near the best. Each step then takes the
+# both. The acceptance at each draft position is counted from the drafts proposed and kept, carried from one
+# generation to the next and faded step by step, each rate pulled towards the rate of the position before it:
+# at width w the positions past w - 1 are never proposed, and a low rate seen there once, if it were kept,
+# would shut every wider width out for good. The cost of a step at each width is timed once per model, each
+# width's compiled step pipelined as the decoding loop runs it, in short interleaved rounds until the widths'
+# relative costs are known to a few percent: a shared machine does not keep one speed from one second to the
+# next, and the choice between neighbouring widths turns on a few percent. Each step then takes the
 # width with the most expected tokens per second, $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the
-# section on speedup; it switches only for a gain of more than a few percent, and falls back to plain
+# section on speedup, and falls back to plain
 # decoding for good when drafting stops paying. It ran in the same rounds as the fixed widths above:
 
 # %%

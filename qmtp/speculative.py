@@ -269,13 +269,10 @@ def generate(
         started = time.perf_counter()
         costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens)
         stats.calibration_seconds = time.perf_counter() - started
-        # what the last generation with this drafter learned of its acceptance and of the steps' times is
-        # where this one starts
-        carried = model.__dict__.setdefault("_draft_rates", {})
-        paces = model.__dict__.setdefault("_step_paces", {})
-        learned = (id(drafter), strategy.key, hidden, rollback)
-        n_draft = planner = DraftPlanner(costs, priors=carried.get((id(drafter), strategy.key)),
-                                         paces={n: p.copy() for n, p in paces.get(learned, {}).items()})
+        # the acceptance counted by the last generation with this drafter is where this one starts
+        carried = model.__dict__.setdefault("_draft_counts", {})
+        proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
+        n_draft = planner = DraftPlanner(costs, proposed=proposed, accepted=accepted)
 
     out: list[int] = []
     started = time.perf_counter()
@@ -308,8 +305,7 @@ def generate(
         stream()
     stats.decode_seconds = time.perf_counter() - started
     if planner is not None:
-        carried[(id(drafter), strategy.key)] = planner.rates()
-        paces[learned] = planner.paces
+        carried[(id(drafter), strategy.key)] = (planner.proposed, planner.accepted)
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()
@@ -356,26 +352,21 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             mx.async_eval(step[2])
         return n, step
 
-    queued, queued_ahead, read, width_before = queue(state, last, key), False, None, None
+    queued = queue(state, last, key)
     while True:
         before = state
         n, (state, last, report, experts, key) = queued
-        ahead, queued, queued_ahead = queued_ahead, None, False
+        queued = None
         if queue_ahead and (record or n == 1) and produced + n < max_tokens:
-            queued, queued_ahead = queue(state, last, key), True  # this pass cannot end the generation
+            queued = queue(state, last, key)  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
-        now = time.perf_counter()
-        # The time between two reads is one pass's cost when the passes around it are queued ahead and of
-        # one width (`adaptive.time_steps` says why); the planner is given only those.
-        steady = ahead and queued_ahead and width_before == n == queued[0]
-        seconds, read, width_before = (now - read if steady else None), now, n
         tokens, next_token, keep = report[:n], report[n], report[n + 1]
         if not record and keep < n:
             with timer("replay"):
                 state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
         if planner:
-            planner.observe(n - 1, keep - 1, seconds)
+            planner.observe(n - 1, keep - 1)
         emitted = tokens[1:keep] + [next_token]
         yield Step(tokens[1:], keep - 1, emitted), experts
         produced += len(emitted)

@@ -42,6 +42,7 @@ def test_bench_mtp_reports_unions_per_layer_and_a_cost_model(checkpoint, tmp_pat
     assert "experts per layer, measured" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["prompts"] == 2  # only the first N: a full-size model is benched on one
+    assert report["auto"]["calibration_seconds"] > 0  # timed in the warm-up, the model's first auto generation
     E, k, layers = 16, 4, 4
     assert [r["n_draft"] for r in report["results"]] == [1, 2, 3]
     for r in report["results"]:
