@@ -268,19 +268,23 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
 
 
-# mx.load's lazy arrays per file, each handed out once (popped), so this cache never holds a loaded tensor.
-_LAZY: dict[Path, tuple[tuple, dict]] = {}
+# mx.load's lazy arrays per (file, thread), each handed out once (popped), so this cache never holds a loaded
+# tensor. Per thread because MLX binds an array to the streams of the thread that made it: evaluating one of
+# another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current thread").
+_LAZY: dict[tuple[Path, int], tuple[tuple, dict]] = {}
 
 
 def _lazy_array(info: TensorInfo, stat):
     """The tensor as one of mx.load's lazy arrays: evaluating it reads its bytes with pread into a buffer of its
     own, so a whole model loads in its own size, without a mapping of the file beside it."""
+    import threading
+
     import mlx.core as mx
 
-    key = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    cached = _LAZY.get(info.file)
+    key, where = (stat.st_size, stat.st_mtime_ns, stat.st_ino), (info.file, threading.get_ident())
+    cached = _LAZY.get(where)
     if cached is None or cached[0] != key or info.name not in cached[1]:
-        cached = _LAZY[info.file] = (key, mx.load(str(info.file)))
+        cached = _LAZY[where] = (key, mx.load(str(info.file)))
     return cached[1].pop(info.name)
 
 
@@ -349,6 +353,7 @@ def read_tensor(info: TensorInfo, index: tuple | None = None):
                     return out
                 except RuntimeError:  # mx.load checks the whole file: a cut elsewhere still lets this tensor read
                     out = None
+                    index = (slice(None),) * len(info.shape)  # read with pread below, not through a mapping
             if info.nbytes == 0:
                 out = mx.array(np.zeros(info.shape, dtype=np_dtype))
             elif index is not None and _one_axis(index, info.shape) is not None:

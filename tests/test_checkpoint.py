@@ -202,6 +202,33 @@ def test_load_one_tensor_returns_the_stored_values(tmp_path, dtype, shards):
     assert np.array_equal(as_f32(expert), exact(synthetic.expert_value("mtp.layers.0.mlp.experts.up_proj.weight", 5, (I, H), SEED)))
 
 
+def test_reads_never_map_the_file_whatever_the_thread(fresh, monkeypatch):
+    """A mapping's pages count in the reader's resident memory beside the copy: reading a whole tensor or rows
+    of it must not map the file, also on another thread than the one that first read the file (MLX binds
+    mx.load's lazy arrays to their thread's streams; a converter reads on a worker thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qmtp import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the file was mapped")
+
+    monkeypatch.setattr(checkpoint.mmap, "mmap", refuse)
+    ckpt = Checkpoint(fresh)
+    name = f"{P}layers.2.mlp.experts.gate_up_proj"
+    ckpt.load(f"{P}layers.2.input_layernorm.weight")  # the main thread reads the file first
+    got = {}
+
+    def worker():
+        got["whole"] = as_f32(ckpt.load(name))
+        got["rows"] = as_f32(ckpt.load(name, (slice(2, 5),)))
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(worker).result()  # raises what the worker raised
+    want = as_f32(ckpt.load(name))
+    assert np.array_equal(got["whole"], want) and np.array_equal(got["rows"], want[2:5])
+
+
 def test_load_unknown_tensor(released):
     expect(CheckpointError, lambda: Checkpoint(released).load("model.nope.weight"), released, "'model.nope.weight'")
 
