@@ -178,16 +178,16 @@ print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 #   at another width, as mlx-lm does;
 # - **the fixes**: the seed shifts the norms unconditionally, so converting a converted model shifts them twice
 #   (chapter 2 shows what that does); qmtp records the fixes in the file and refuses a converted source;
-# - **memory**: the seed loads the whole model before writing; qmtp holds one tensor group at a time, writes
+# - **memory**: the seed loads the whole model before writing; qmtp holds a few blocks of rows at a time, writes
 #   into a temporary folder and renames it into place only when everything is written.
 
 # %% [markdown]
 # ## What a conversion costs
 #
-# `convert` never holds the model: it reads one output tensor's worth of the source at a time (a layer's
-# stacked experts at most, fused halves read straight from the mapped file), quantizes it a few rows at a
-# time on two CPU streams while the previous tensor is being written, and renames the finished folder into
-# place only after its files are on the disk. `python -m qmtp bench convert` measures what that buys: it
+# `convert` never holds the model, nor even a whole tensor: it reads a block of about 16 MiB of one tensor's
+# rows at a time (a few experts; the gate or up half of a fused tensor read straight from the file, without
+# mapping it), fixes and quantizes it on two CPU streams while a worker thread hands the previous blocks to
+# the writer, and renames the finished folder into place only after its files are on the disk. `python -m qmtp bench convert` measures what that buys: it
 # writes a synthetic checkpoint of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert`
 # and a plain `cp` of the source in the same run, with each one's peak memory. It takes a few minutes and
 # several gigabytes of disk, so the book does not run it.

@@ -268,57 +268,82 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
 
 
-# mx.load's lazy arrays per file, each handed out once (popped), so this cache never holds a loaded tensor.
-_LAZY: dict[Path, tuple[tuple, dict]] = {}
+# mx.load's lazy arrays per (file, thread), each handed out once (popped), so this cache never holds a loaded
+# tensor. Per thread because MLX binds an array to the streams of the thread that made it: evaluating one of
+# another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current thread").
+_LAZY: dict[tuple[Path, int], tuple[tuple, dict]] = {}
 
 
 def _lazy_array(info: TensorInfo, stat):
     """The tensor as one of mx.load's lazy arrays: evaluating it reads its bytes with pread into a buffer of its
     own, so a whole model loads in its own size, without a mapping of the file beside it."""
+    import threading
+
     import mlx.core as mx
 
-    key = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    cached = _LAZY.get(info.file)
+    key, where = (stat.st_size, stat.st_mtime_ns, stat.st_ino), (info.file, threading.get_ident())
+    cached = _LAZY.get(where)
     if cached is None or cached[0] != key or info.name not in cached[1]:
-        cached = _LAZY[info.file] = (key, mx.load(str(info.file)))
+        cached = _LAZY[where] = (key, mx.load(str(info.file)))
     return cached[1].pop(info.name)
 
 
-def _one_axis(index: tuple, shape: tuple) -> tuple[int, int, int] | None:
-    """(axis, start, stop) when `index` slices one axis with step 1 and keeps the others whole, else None."""
-    cut = None
-    for axis, (part, size) in enumerate(zip(index, shape)):
+def _block(index: tuple, shape: tuple) -> tuple[tuple[int, int], tuple[int, int, int] | None] | None:
+    """`index` as (rows, cut): rows (start, stop) of axis 0 and at most one other axis cut as (axis, start,
+    stop), every other axis whole and every step 1; None when `index` selects anything else."""
+    if not shape or len(index) > len(shape):
+        return None
+    spans = []
+    for part, size in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape):
         if not isinstance(part, slice) or part.step not in (None, 1):
             return None
         start, stop, _ = part.indices(size)
-        if (start, stop) != (0, size):
-            if cut is not None:
-                return None
-            cut = (axis, start, max(start, stop))
-    return cut or (0, 0, shape[0] if shape else 0)
+        spans.append((start, max(start, stop)))
+    rows = spans[0]
+    cuts = [(axis, *span) for axis, (span, size) in enumerate(zip(spans, shape)) if axis and span != (0, size)]
+    if len(cuts) > 1:
+        return None
+    return rows, (cuts[0] if cuts else None)
 
 
-def _read_slice(f, info: TensorInfo, cut: tuple[int, int, int]):
-    """Read rows [start, stop) of `axis` straight into an MLX buffer: one run of bytes per outer index, no
-    mapping of the file and no numpy copy in between (the gate half of 256 fused experts is 256 runs)."""
+def _pread_into(fd: int, buffer: memoryview, at: int, info: TensorInfo) -> None:
+    """Fill `buffer` from byte `at` of the file; a single read stops short past 2 GiB on Linux, so loop."""
+    done = 0
+    while done < buffer.nbytes:
+        got = os.preadv(fd, [buffer[done:]], at + done)
+        if got <= 0:
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} is cut short (read {done} of {buffer.nbytes} "
+                                  f"bytes at {at})")
+        done += got
+
+
+def _read_block(f, info: TensorInfo, rows: tuple[int, int], cut: tuple[int, int, int] | None):
+    """Read rows [start, stop) of axis 0 (and with `cut` only [start, stop) of one other axis) straight into an
+    MLX buffer: one run of bytes per outer index, no mapping of the file and no numpy copy in between. Rows of
+    a tensor are one run; the gate half of 256 fused experts is 256 runs."""
     import mlx.core as mx
 
-    axis, start, stop = cut
     _, mx_name, itemsize = DTYPES[info.dtype]
     shape = list(info.shape)
-    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    if cut is None:  # whole rows: one contiguous run
+        (axis, start, stop), first, last = (0, *rows), 0, 1
+    else:  # the outer indices of `axis` that lie in the rows asked for
+        axis, start, stop = cut
+        per_row = int(np.prod(shape[1:axis], dtype=np.int64))
+        first, last = rows[0] * per_row, rows[1] * per_row
+        shape[0] = rows[1] - rows[0]
     inner = int(np.prod(shape[axis + 1:], dtype=np.int64)) * itemsize
     shape[axis] = stop - start
     storage = mx.uint16 if mx_name == "bfloat16" else getattr(mx, mx_name)
     out = mx.zeros(shape, dtype=storage)
     mx.eval(out)
+    if out.size == 0:  # nothing to read (and an empty buffer cannot be cast to bytes)
+        return out
     buffer = memoryview(out).cast("B")
     run = (stop - start) * inner
-    for i in range(outer):
+    for i in range(first, last):
         at = info.offset + (i * info.shape[axis] + start) * inner
-        got = os.preadv(f.fileno(), [buffer[i * run:(i + 1) * run]], at)
-        if got != run:
-            raise CheckpointError(f"{info.file}: tensor {info.name!r} is cut short (read {got} of {run} bytes at {at})")
+        _pread_into(f.fileno(), buffer[(i - first) * run:(i - first + 1) * run], at, info)
     del buffer
     return out
 
@@ -327,7 +352,8 @@ def read_tensor(info: TensorInfo, index: tuple | None = None):
     """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype.
 
     A whole tensor is read by MLX (mx.load, then evaluated here): one copy, in a buffer MLX owns. With `index`
-    (a tuple of slices) the file is mapped and only that part is copied, e.g. the gate half of fused experts.
+    (a tuple of slices: rows of axis 0 and at most one other axis cut) only that part is read, with pread, e.g.
+    the gate half of fused experts, or a converter's next few rows. Any other index maps the file and copies.
     """
     import mlx.core as mx
 
@@ -349,10 +375,12 @@ def read_tensor(info: TensorInfo, index: tuple | None = None):
                     return out
                 except RuntimeError:  # mx.load checks the whole file: a cut elsewhere still lets this tensor read
                     out = None
+                    index = (slice(None),) * len(info.shape)  # read with pread below, not through a mapping
+            block = None if index is None else _block(index, info.shape)
             if info.nbytes == 0:
                 out = mx.array(np.zeros(info.shape, dtype=np_dtype))
-            elif index is not None and _one_axis(index, info.shape) is not None:
-                out = _read_slice(f, info, _one_axis(index, info.shape))
+            elif block is not None:
+                out = _read_block(f, info, *block)
             else:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                     view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset).reshape(info.shape)
@@ -540,12 +568,29 @@ def tensor_bytes(array) -> memoryview:
     return view.cast("B")
 
 
+def _pieces(produced):
+    """What a writer's `produce()` returned as byte views: None is no piece, a buffer (bytes, memoryview,
+    numpy array) is one, anything else is an iterable of them (a tensor streamed a few rows at a time)."""
+    if produced is None:
+        return
+    try:
+        yield memoryview(produced).cast("B")
+        return
+    except TypeError:  # not a buffer: an iterable of buffers
+        pass
+    for piece in produced:
+        view = memoryview(piece).cast("B")
+        del piece  # the view keeps the piece's memory alive, and only as long as the writer holds it
+        yield view
+
+
 def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None = None,
                       sparse: bool | str = False) -> int:
     """Stream tensors into one safetensors file, one at a time; returns the bytes written.
 
     `entries` is a list of (name, dtype, shape, produce) where dtype is the safetensors spelling and
-    `produce()` returns the tensor's bytes when it is its turn, so only one tensor is in memory at once. With
+    `produce()` returns the tensor's bytes when it is its turn, so only one tensor is in memory at once; or an
+    iterable of consecutive pieces of them, written as they come, so that not even one whole tensor is. With
     `sparse=True` the data region is left as a hole (zeros, no disk blocks): checkpoints of the real model's
     size for tests that read only headers. With `sparse="partial"` a produce of None leaves its tensor a hole
     and one returning fewer bytes than the tensor fills only its start (the first rows); the rest reads as zeros.
@@ -569,15 +614,19 @@ def write_safetensors(path: str | Path, entries, metadata: dict[str, str] | None
             return data_start + offset
         for name, _, _, produce in entries:
             begin, end = header[name]["data_offsets"]
-            data = None if produce is None else memoryview(produce()).cast("B")
-            if sparse != "partial" and (data is None or data.nbytes != end - begin):
+            produced = None if produce is None else produce()
+            written = 0
+            f.seek(data_start + begin)
+            for piece in _pieces(produced):
+                if written + piece.nbytes > end - begin:
+                    raise CheckpointError(f"{path}: tensor {name!r} produced {written + piece.nbytes} bytes, more "
+                                          f"than its {end - begin}")
+                f.write(piece)
+                written += piece.nbytes
+                del piece  # a piece may hold a large array: let it go before the next is made
+            if sparse != "partial" and (produced is None or written != end - begin):
                 raise CheckpointError(f"{path}: tensor {name!r} produced "
-                                      f"{'nothing' if data is None else data.nbytes} bytes, header says {end - begin}")
-            if data is not None and data.nbytes > end - begin:
-                raise CheckpointError(f"{path}: tensor {name!r} produced {data.nbytes} bytes, more than its {end - begin}")
-            if data is not None and data.nbytes:
-                f.seek(data_start + begin)
-                f.write(data)
-            del data
+                                      f"{'nothing' if produced is None else written} bytes, header says {end - begin}")
+            del produced
         f.truncate(data_start + offset)  # holes up to the end: the last tensors may not have been written
     return data_start + offset

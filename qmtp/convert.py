@@ -1,10 +1,13 @@
-"""Convert and quantize: trunk and MTP head in one file, streamed tensor by tensor, fixes applied once.
+"""Convert and quantize: trunk and MTP head in one file, streamed a block of rows at a time, fixes applied once.
 
     SRC (any released layout) --layout.plan--> a recipe for every internal tensor
-      --Reader.materialise--> one tensor (a layer's stacked experts at most)
+      --Reader.materialise(recipe, rows)--> a block of about 16 MiB of one tensor's rows (a few experts)
       --fixes (norm: 1 + w in float32; conv: [C, 1, K] -> [C, K, 1]), each applied exactly once-->
-      --mx.quantize at that tensor's width--> codes, scales, biases
-      --checkpoint.write_safetensors, one tensor at a time--> DST/model.safetensors
+      --mx.quantize at that tensor's width--> codes, scales, biases of those rows
+      --checkpoint.write_safetensors, piece by piece--> DST/model.safetensors
+
+Peak memory is a few blocks, whatever the size of the largest tensor (issue 15: the full-size 4-bit
+conversion peaks at about 0.25 GB, where holding a whole 1 GB tensor peaked at 2 GB).
 
 Widths per tensor are `qmtp.sizes`' rules (mlx-lm's): every weight of 2 or more dimensions whose last
 dimension is a multiple of the group size is quantized at `bits`, except the router `mlp.gate` and the
@@ -45,10 +48,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -67,10 +73,14 @@ from .errors import IncompleteHeadError, QmtpError, UsageError
 from .sizes import sizes
 from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source
 
-QUANTIZE_STREAMS = 2  # CPU streams quantizing one tensor's rows in parallel
-QUANTIZE_CHUNK_BYTES = 128 * 1024 * 1024  # rows quantized at once, per stream
-CACHE_FRACTION = 4  # of the largest tensor, kept by MLX for reuse while converting
-MAX_CACHE_BYTES = 2 * 1024**3  # at most this much freed memory kept by MLX for reuse while converting
+# A tensor is read, fixed, quantized and written a block of rows at a time, so memory does not grow with the
+# largest tensor (a layer's 256 fused experts are 1 GB in bf16). 16 MiB blocks stay under glibc's largest mmap
+# threshold (32 MiB): freed blocks are reused from the heap, where larger ones would be fresh pages every time
+# (measured: 100x the page faults at 64 MiB, and most of a conversion's system time).
+CHUNK_BYTES = 16 * 1024 * 1024
+QUANTIZE_STREAMS = 2  # CPU streams quantizing neighbouring blocks in parallel: two cores
+QUEUE_PIECES = 4  # pieces made ahead of the writer, waiting to be written
+CACHE_PIECES = 16  # freed buffers MLX may keep for reuse (where it caches at all), in blocks
 
 TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 TOKENIZER_PREFIXES = ("tokenizer", "chat_template")
@@ -231,10 +241,9 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.qmtp-partial-", dir=dst.parent))
         os.chmod(tmp, 0o777 & ~_umask())
         # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves; but the
-        # cache counts in the peak, which should stay within 1.5x the largest tensor (issue 15).
-        largest = max(info.nbytes for info in ckpt.infos.values())
-        cache_limit = min(largest // CACHE_FRACTION, MAX_CACHE_BYTES)
-        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress, cache_limit=cache_limit)
+        # cache counts in the peak, which should stay a few blocks whatever the largest tensor (issue 15).
+        files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress,
+                               cache_limit=CACHE_PIECES * CHUNK_BYTES)
         config_out = dict(source.raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = dict(config_out["quantization"])
@@ -479,17 +488,19 @@ def _flush_to_disk(directory: Path) -> None:
 
 
 class _TensorWriter:
-    """The output tensors as (name, dtype, nbytes, shape, produce) entries, produced one at a time.
+    """The output tensors as (name, dtype, nbytes, shape, produce) entries; `produce()` yields the tensor's
+    bytes in pieces, a block of about CHUNK_BYTES of its rows at a time, so no tensor is ever whole in memory.
 
-    A quantized weight is three consecutive entries (codes, scales, biases) made by one `mx.quantize`: the
-    codes' producer quantizes and keeps scales and biases until their turn, then they are dropped.
+    A quantized weight is three consecutive entries (codes, scales, biases) made by one pass of mx.quantize
+    over its blocks: the codes' producer yields each block's codes and keeps its scales and biases (each 1/32
+    of the weight's bytes at group 64 in bf16, 1/16 at group 32) until their turn; then they are dropped.
     """
 
     def __init__(self, ckpt, plan, config, policy, dtype, applying):
         self.plan, self.policy, self.dtype, self.applying = plan, policy, dtype, applying
         self.reader = layout.Reader(ckpt, config)
         self.names = list(policy)  # trunk, then head, in the config's order (that of `sizes`)
-        self.pending: dict[str, object] = {}
+        self.pending: dict[str, tuple[list, list]] = {}
         self.streams = None  # made on first use, by the thread that quantizes
         self.entries, self.record = [], {}
         for i, name in enumerate(self.names):
@@ -503,59 +514,67 @@ class _TensorWriter:
                 codes, groups = layout.quantized_shapes(t.shape, t.bits, t.group_size)
                 stem = key[: -len(".weight")]
                 self._add(key, "U32", codes, lambda n=name, f=following: self._quantize(n, f))
-                self._add(stem + ".scales", dtype, groups, lambda n=name: self._take(n, 1))
-                self._add(stem + ".biases", dtype, groups, lambda n=name: self._take(n, 2))
+                self._add(stem + ".scales", dtype, groups, lambda n=name: self._take(n, 0))
+                self._add(stem + ".biases", dtype, groups, lambda n=name: self._take(n, 1))
                 self.record[key] = {"bits": t.bits, "group_size": t.group_size, "dtype": dtype}
 
     def _add(self, name, dtype, shape, produce):
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][2]
         self.entries.append((name, dtype, nbytes, tuple(shape), produce))
 
-    def _materialise(self, name, following, out_dtype):
+    def _blocks(self, name, following, out_dtype):
+        """The tensor `name`, fixed and in `out_dtype`, as consecutive blocks of rows of its first axis, each
+        read from the source on its own. Cutting there changes no byte: both fixes act on each row alone (the
+        norm shift elementwise, the conv kernel on its last two axes) and every quantization group lies within
+        a row."""
         import mlx.core as mx
 
-        w = fixes_mod.apply(name, self.reader.materialise(self.plan.recipes[name]), self.applying)
+        recipe, shape = self.plan.recipes[name], self.policy[name].shape
+        dtype = getattr(mx, DTYPES[out_dtype][1])
+        if not shape:  # a scalar: one block
+            yield fixes_mod.apply(name, self.reader.materialise(recipe), self.applying).astype(dtype)
+        else:
+            row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * DTYPES[out_dtype][2]
+            step = max(1, CHUNK_BYTES // max(1, row_bytes))
+            for start in range(0, shape[0], step):
+                rows = (start, min(shape[0], start + step))
+                yield fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
         # Keep a stored tensor read for slicing only while the next output tensor slices it too.
-        if following is None or self.plan.recipes[following].sources[0] != self.plan.recipes[name].sources[0]:
+        if following is None or self.plan.recipes[following].sources[0] != recipe.sources[0]:
             self.reader.forget()
-        return w.astype(getattr(mx, DTYPES[out_dtype][1]))
 
     def _plain(self, name, out_dtype, following):
-        return tensor_bytes(self._materialise(name, following, out_dtype))
+        for block in self._blocks(name, following, out_dtype):
+            yield tensor_bytes(block)
 
     def _quantize(self, name, following):
         import mlx.core as mx
 
         t = self.policy[name]
-        w = self._materialise(name, following, self.dtype)
-        mx.eval(w)
-        # Quantized a few rows at a time: mx.quantize works in float32 internally, so a whole stack of experts
-        # at once would need twice its bf16 size again. Neighbouring chunks go to two CPU streams, i.e. two
-        # cores. Every group lies within one row, so the codes are those of the whole tensor.
         if self.streams is None:
             self.streams = [mx.new_stream(mx.cpu) for _ in range(QUANTIZE_STREAMS)]
-        row_bytes = w.nbytes // w.shape[0]
-        step = max(1, QUANTIZE_CHUNK_BYTES // row_bytes)
-        parts = []
-        for i, start in enumerate(range(0, w.shape[0], step)):
-            parts.append(mx.quantize(w[start: start + step], group_size=t.group_size, bits=t.bits,
-                                     stream=self.streams[i % len(self.streams)]))
-            if i % len(self.streams) == len(self.streams) - 1:
-                mx.eval(parts[-len(self.streams):])
-        del w
-        codes, scales, biases = (mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
-        del parts
-        mx.eval(codes, scales, biases)
-        self.pending[name] = [None, scales, biases]
-        return tensor_bytes(codes)
+        scales, biases = self.pending[name] = ([], [])
+        blocks = self._blocks(name, following, self.dtype)
+        # Neighbouring blocks go to the CPU streams, i.e. to two cores, and are evaluated together.
+        while batch := list(itertools.islice(blocks, len(self.streams))):
+            parts = [mx.quantize(block, group_size=t.group_size, bits=t.bits, stream=stream)
+                     for block, stream in zip(batch, self.streams)]
+            del batch
+            mx.eval(parts)
+            for codes, block_scales, block_biases in parts:
+                scales.append(block_scales)
+                biases.append(block_biases)
+                yield tensor_bytes(codes)
+            del parts, codes
 
     def _take(self, name, part):
-        parts = self.pending[name]
-        data = tensor_bytes(parts[part])
-        parts[part] = None
-        if part == 2:
+        """The scales (part 0) or biases (1) `_quantize` kept for `name`, a block at a time, each dropped once
+        handed out."""
+        kept = self.pending[name][part]
+        while kept:
+            yield tensor_bytes(kept.pop(0))
+        if part == 1:
             del self.pending[name]
-        return data
 
     def quantization_block(self, bits: int, group_size: int) -> dict:
         """mlx-lm's config block: the default width, then the router gates (always listed, as mlx-lm lists
@@ -572,26 +591,27 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
                    cache_limit: int | None = None) -> list[str]:
     """Write the entries into one file, or `shards` files and an index; returns the file names.
 
-    The next tensor is read and quantized on a worker thread while this one is written (`_Ahead`), so a
-    conversion keeps two cores busy. MLX keeps freed buffers for reuse up to `cache_limit` bytes (fresh
-    pages cost more than the copies). A progress bar (on stderr) counts bytes and tensors as they are written.
+    The tensors are read and quantized on a worker thread a few pieces ahead of the writing (`_Pieces`), so a
+    conversion keeps two cores busy and holds a few blocks of rows, not whole tensors. MLX keeps freed buffers
+    for reuse up to `cache_limit` bytes (fresh pages cost more than the copies). A progress bar (on stderr)
+    counts bytes and tensors as they are written.
     """
     import mlx.core as mx
     from tqdm import tqdm
 
     bar = tqdm(total=sum(e[2] for e in entries), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                disable=not progress, dynamic_ncols=True)
-    ahead = _Ahead([e[4] for e in entries])
+    pieces = _Pieces([e[4] for e in entries])
     done = 0
 
     def counted(i):
         def run():
             nonlocal done
-            data = ahead.result(i)
+            for piece in pieces.of(i):
+                bar.update(piece.nbytes)
+                yield piece
             done += 1
             bar.set_postfix_str(f"{done}/{len(entries)} tensors", refresh=False)
-            bar.update(data.nbytes)
-            return data
         return run
 
     # scales and biases stay in the file of their codes
@@ -607,7 +627,7 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
                 tensors.append((name, dtype, shape, counted(i)))
             write_safetensors(directory / file, tensors, metadata)
     finally:
-        ahead.close()
+        pieces.close()
         bar.close()
         if previous_limit is not None:
             mx.set_cache_limit(previous_limit)
@@ -618,24 +638,56 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
     return files
 
 
-class _Ahead:
-    """Runs producers in order on one worker thread, one ahead of the caller: while the caller writes tensor
-    i, tensor i + 1 is read and quantized. At most two tensors are in memory at once."""
+class _Pieces:
+    """Runs the producers in order on one worker thread and hands their pieces to the caller in that order,
+    at most QUEUE_PIECES ahead: while the caller writes one piece the next are read and quantized, and memory
+    holds a few pieces whatever the size of a tensor. Every MLX array is made and evaluated on the worker (MLX
+    binds an array to its thread's streams); the caller only writes evaluated bytes."""
 
     def __init__(self, produces):
-        from concurrent.futures import ThreadPoolExecutor
+        self.queue = queue.Queue(maxsize=QUEUE_PIECES)
+        self.stop = threading.Event()
+        self.worker = threading.Thread(target=self._run, args=(produces,), name="qmtp-convert", daemon=True)
+        self.worker.start()
 
-        self.produces = produces
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qmtp-convert")
-        self.futures = {}
+    def _run(self, produces) -> None:
+        try:
+            for i, produce in enumerate(produces):
+                for piece in produce():
+                    if not self._put((i, piece)):
+                        return
+                    del piece
+                if not self._put((i, None)):  # entry i is complete
+                    return
+        except BaseException as err:  # handed to the caller, who raises it (Ctrl-C's KeyboardInterrupt too)
+            self._put((None, err))
 
-    def result(self, i: int):
-        future = self.futures.pop(i, None) or self.pool.submit(self.produces[i])
-        if i + 1 < len(self.produces):
-            self.futures[i + 1] = self.pool.submit(self.produces[i + 1])
-        return future.result()
+    def _put(self, item) -> bool:
+        """Queue `item`, waiting for room; False once the caller has stopped reading."""
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def of(self, i: int):
+        """The pieces of entry `i` as they come; entries are asked for in order, each to its end."""
+        while True:
+            entry, piece = self.queue.get()
+            if entry is None:
+                raise piece
+            if entry != i:
+                raise RuntimeError(f"convert: entry {entry} produced while entry {i} was being written")
+            if piece is None:
+                return
+            yield piece
+            del piece
 
     def close(self) -> None:
-        for future in self.futures.values():
-            future.cancel()
-        self.pool.shutdown(wait=True)  # a tensor in progress finishes before the caller cleans up
+        """Stop the worker: a piece in progress finishes before the caller cleans up; what waits is dropped."""
+        self.stop.set()
+        self.worker.join()
+        while not self.queue.empty():
+            self.queue.get_nowait()

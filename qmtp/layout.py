@@ -418,20 +418,26 @@ class Reader:
         self._last = (stored, array)
         return array
 
-    def materialise(self, recipe: Recipe):
+    def materialise(self, recipe: Recipe, rows: tuple[int, int] | None = None):
+        """The tensor `recipe` makes, or with `rows` = (start, stop) only those rows of its first axis, reading
+        only their bytes (a converter streams a large tensor so, a few experts or embedding rows at a time)."""
         import mlx.core as mx
 
+        part = slice(None) if rows is None else slice(*rows)
         if recipe.op == "copy":
-            return self.ckpt.load(recipe.sources[0])
+            return self.ckpt.load(recipe.sources[0], None if rows is None else (part,))
         if recipe.op == "slice":  # read only the slice, not the fused tensor around it
             axis, start, stop = recipe.args
             index = [slice(None)] * len(self.ckpt.infos[recipe.sources[0]].shape)
             index[axis] = slice(start, stop)
+            if rows is not None:
+                index[0] = slice(start + rows[0], start + rows[1]) if axis == 0 else part
             return self.ckpt.load(recipe.sources[0], tuple(index))
         if recipe.op == "stack":
-            return mx.stack([self.ckpt.load(s) for s in recipe.sources])
+            return mx.stack([self.ckpt.load(s) for s in recipe.sources[part]])
         if recipe.op == "unfuse":
-            return unfuse_linear_projection(self._read(recipe.sources[0]), recipe.args[0], self.config)
+            w = unfuse_linear_projection(self._read(recipe.sources[0]), recipe.args[0], self.config)
+            return w if rows is None else w[part]
         raise ValueError(f"unknown recipe op {recipe.op!r}")
 
 

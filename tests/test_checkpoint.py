@@ -203,6 +203,54 @@ def test_load_one_tensor_returns_the_stored_values(tmp_path, dtype, shards):
     assert np.array_equal(as_f32(expert), exact(synthetic.expert_value("mtp.layers.0.mlp.experts.up_proj.weight", 5, (I, H), SEED)))
 
 
+BLOCKS = [(), (slice(1, 3),), (slice(1, 3), slice(2, 5)), (slice(None), slice(None), slice(1, 6)),
+          (slice(2, 4), slice(None), slice(None), slice(1, 2)), (slice(0, 0),), (slice(3, 1),),
+          (slice(None, None, 2),), (slice(1, 2), slice(1, 2), slice(1, 2))]
+
+
+@pytest.mark.parametrize("index", BLOCKS)
+def test_load_with_an_index_returns_that_block(tmp_path, index):
+    """Rows of the first axis, with or without a cut of one other axis, are read with pread; anything else
+    (a step, two cuts) through a mapping; either way the values numpy's indexing gives."""
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((5, 6, 7, 3)).astype(np.float32), "b": rng.standard_normal((9, 4)).astype(np.float32)}
+    write_safetensors(tmp_path / "m.safetensors", [(k, "F32", v.shape, lambda v=v: v.tobytes()) for k, v in arrays.items()])
+    ckpt = Checkpoint(tmp_path / "m.safetensors")
+    for name, value in arrays.items():
+        if len(index) <= value.ndim:
+            got = np.array(ckpt.load(name, index))
+            assert got.shape == value[index].shape and np.array_equal(got, value[index]), (name, index)
+
+
+def test_reads_never_map_the_file_whatever_the_thread(fresh, monkeypatch):
+    """A mapping's pages count in the reader's resident memory beside the copy: reading a whole tensor or rows
+    of it must not map the file, also on another thread than the one that first read the file (MLX binds
+    mx.load's lazy arrays to their thread's streams; a converter reads on a worker thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qmtp import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the file was mapped")
+
+    monkeypatch.setattr(checkpoint.mmap, "mmap", refuse)
+    ckpt = Checkpoint(fresh)
+    name = f"{P}layers.2.mlp.experts.gate_up_proj"
+    ckpt.load(f"{P}layers.2.input_layernorm.weight")  # the main thread reads the file first
+    got = {}
+
+    def worker():
+        got["whole"] = as_f32(ckpt.load(name))
+        got["rows"] = as_f32(ckpt.load(name, (slice(2, 5),)))
+        got["gate"] = as_f32(ckpt.load(name, (slice(2, 5), slice(0, CONFIG.moe_intermediate_size))))
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(worker).result()  # raises what the worker raised
+    want = as_f32(ckpt.load(name))
+    assert np.array_equal(got["whole"], want) and np.array_equal(got["rows"], want[2:5])
+    assert np.array_equal(got["gate"], want[2:5, :CONFIG.moe_intermediate_size])
+
+
 def test_load_unknown_tensor(released):
     expect(CheckpointError, lambda: Checkpoint(released).load("model.nope.weight"), released, "'model.nope.weight'")
 

@@ -351,6 +351,20 @@ def test_conversion_is_deterministic(source, tmp_path):
     assert file_bytes(a) == file_bytes(b)
 
 
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_blocks_of_one_row_write_the_same_bytes_as_whole_tensors(tmp_path, monkeypatch, dtype):
+    """A tensor is read, fixed, quantized and written a block of rows at a time; the size of the blocks changes
+    no byte: one row per block (every fused expert, embedding row and conv channel on its own) against every
+    tensor in one block, over a quantized head (stacked experts) and a bf16 one, with shards."""
+    src = write(tmp_path / "src", dtype=dtype)
+    written = {}
+    for chunk in (1, 1 << 40):
+        monkeypatch.setattr(convert_mod, "CHUNK_BYTES", chunk)
+        for name, kwargs in (("q4", dict(bits=4, mtp_bits=4)), ("q3", dict(bits=3, group_size=32, shards=2))):
+            written[chunk, name] = file_bytes(quiet_convert(src, tmp_path / f"{name}-{chunk}", **kwargs).path)
+    assert written[1, "q4"] == written[1 << 40, "q4"] and written[1, "q3"] == written[1 << 40, "q3"]
+
+
 def test_shards_write_an_index_and_load(source, tmp_path):
     single = quiet_convert(source, tmp_path / "one", bits=4, group_size=32).path
     sharded = quiet_convert(source, tmp_path / "three", bits=4, group_size=32, shards=3).path
@@ -489,6 +503,32 @@ def test_an_interrupted_conversion_leaves_nothing(source, tmp_path, monkeypatch,
         quiet_convert(source, dst, bits=4, force=True)
     assert file_bytes(dst) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_write_failing_mid_tensor_stops_the_worker_and_leaves_nothing(source, tmp_path, monkeypatch):
+    """The disk filling up while the worker is pieces ahead: the run fails in one line, the worker thread
+    stops (no thread left behind, still quantizing) and nothing is left on disk."""
+    import threading
+
+    real = convert_mod.write_safetensors
+
+    def failing(path, entries, metadata=None):
+        def broken(produce):
+            def run():
+                for n, piece in enumerate(produce()):
+                    if n == 0 and broken.tensors == 30:
+                        raise OSError(28, "No space left on device")
+                    yield piece
+                broken.tensors += 1
+            return run
+        broken.tensors = 0
+        return real(path, [(name, dtype, shape, broken(produce)) for name, dtype, shape, produce in entries], metadata)
+
+    monkeypatch.setattr(convert_mod, "write_safetensors", failing)
+    threads = threading.active_count()
+    expect(QmtpError, lambda: quiet_convert(source, tmp_path / "out"), "No space left on device", "nothing was left")
+    assert threading.active_count() == threads
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_killed_run_is_cleaned_up_by_the_next(source, tmp_path):
