@@ -294,8 +294,6 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
                chain_decay: float, targets: str, balance_weight: float, save_every: int, eval_every: int,
                n_train: int, stop_after: int | None = None, start: str = "own") -> tuple[Model, bool]:
     """Train (or resume) the head of the model in `source` for chained drafting; the trunk stays as loaded."""
-    from tqdm import tqdm
-
     from ..book import evaluate
 
     if targets not in ("trunk", "text"):
@@ -314,45 +312,26 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
     model.mtp.unfreeze()
     model.mtp.train()
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
-    progress = load_state(out, model.mtp, optimizer) or {"step": 0, "history": [], "elapsed": 0.0}
-    if progress["step"]:
-        print(f"resuming from step {progress['step']}", flush=True)
     depth = chained + 1
 
     def objective(head, batch):
         parts = head_losses(model, batch, depth, chain_decay, targets)
         return parts["head"] + balance_weight * parts["balance"], parts
 
-    value_and_grad = nn.value_and_grad(model.mtp, objective)
-    batches = Batches(data["train"], batch, length, seed)
     probe_texts = evaluate.heldout_texts(8)
     probe = mx.array(evaluate._windows(model, probe_texts, length)[:8])
     probe_depth = max(depth, 4)  # the probe always measures four steps, so runs with any --chained compare
-    warmup = max(1, min(50, steps // 20))
-    bar = tqdm(total=steps, initial=progress["step"], desc="training the head", unit="step", dynamic_ncols=True)
-    started = time.time() - progress["elapsed"]
-    stop_at = steps if stop_after is None else min(steps, progress["step"] + stop_after)
-    while progress["step"] < stop_at:
-        step = progress["step"]
-        optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
-        (loss, parts), grads = value_and_grad(model.mtp, batches(step))
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(model.mtp, grads)
-        mx.eval(model.mtp.parameters(), optimizer.state, loss, parts)
-        progress["step"] = step + 1
-        record = {"step": step + 1, "tokens": (step + 1) * batch * length, "loss": float(loss),
-                  **{k: float(v) for k, v in parts.items()}}
-        if step == 0 or (step + 1) % eval_every == 0 or step + 1 == steps:
-            held = head_losses(model, probe, probe_depth, chain_decay, "text", balance=False)
-            record.update({f"heldout_{k}": float(v) for k, v in held.items() if k.startswith("head_")})
-            record.update({f"heldout_agree_{j}": a for j, a in enumerate(chain_agreement(model, probe, probe_depth), 1)})
-        progress["history"].append(record)
-        progress["elapsed"] = time.time() - started
-        bar.update(1)
-        bar.set_postfix(**{k: f"{record[k]:.3f}" for k in record if k.startswith("head_")})
-        if (step + 1) % save_every == 0 or step + 1 in (steps, stop_at):
-            save_state(out, model.mtp, optimizer, progress)
-    bar.close()
+
+    def measure(step):
+        if not (step == 0 or (step + 1) % eval_every == 0 or step + 1 == steps):
+            return {}
+        held = head_losses(model, probe, probe_depth, chain_decay, "text", balance=False)
+        return {**{f"heldout_{k}": float(v) for k, v in held.items() if k.startswith("head_")},
+                **{f"heldout_agree_{j}": a for j, a in enumerate(chain_agreement(model, probe, probe_depth), 1)}}
+
+    progress = optimise(out, model.mtp, optimizer, objective, Batches(data["train"], batch, length, seed),
+                        steps, lr, max(1, min(50, steps // 20)), save_every, stop_after, "training the head",
+                        measure, lambda record: {k: f"{record[k]:.3f}" for k in record if k.startswith("head_")})
     (out / "head_loss_curve.json").write_text(json.dumps(progress["history"]))
     model.mtp.eval()
     return model, progress["step"] >= steps
@@ -488,12 +467,44 @@ def load_state(out: Path, model: Model, optimizer) -> dict | None:
 
 
 # ---- the loop --------------------------------------------------------------------------------------------
+def optimise(out: Path, module, optimizer, objective, batches, steps: int, lr: float, warmup: int, save_every: int,
+             stop_after: int | None, desc: str, measure, postfix) -> dict:
+    """The loop both stages run: resume from the state saved in `out`, then AdamW steps on `module` (clipped to
+    norm 1, warm-up then cosine) up to `steps`, or `stop_after` more; each step's losses, and what
+    `measure(step)` adds, go into the history; the state is saved every `save_every` steps and at the end."""
+    from tqdm import tqdm
+
+    progress = load_state(out, module, optimizer) or {"step": 0, "history": [], "elapsed": 0.0}
+    if progress["step"]:
+        print(f"resuming from step {progress['step']}", flush=True)
+    value_and_grad = nn.value_and_grad(module, objective)
+    bar = tqdm(total=steps, initial=progress["step"], desc=desc, unit="step", dynamic_ncols=True)
+    started = time.time() - progress["elapsed"]
+    stop_at = steps if stop_after is None else min(steps, progress["step"] + stop_after)
+    while progress["step"] < stop_at:
+        step = progress["step"]
+        optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
+        (loss, parts), grads = value_and_grad(module, batches(step))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(module, grads)
+        mx.eval(module.parameters(), optimizer.state, loss, parts)
+        progress["step"] = step + 1
+        record = {"step": step + 1, "tokens": (step + 1) * batches.batch * batches.length, "loss": float(loss),
+                  **{k: float(v) for k, v in parts.items()}, **measure(step)}
+        progress["history"].append(record)
+        progress["elapsed"] = time.time() - started
+        bar.update(1)
+        bar.set_postfix(**postfix(record))
+        if (step + 1) % save_every == 0 or step + 1 in (steps, stop_at):
+            save_state(out, module, optimizer, progress)
+    bar.close()
+    return progress
+
+
 def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, quick: bool,
           mtp_weight: float, balance_weight: float, save_every: int, eval_every: int,
           n_train: int, n_heldout: int, vocab_size: int, stop_after: int | None = None) -> tuple[Model, bool]:
     """Train (or resume) in `out`; returns the model and whether all `steps` are done."""
-    from tqdm import tqdm
-
     out.mkdir(parents=True, exist_ok=True)
     run = {"steps": steps, "batch": batch, "length": length, "lr": lr, "seed": seed, "quick": quick,
            "mtp_weight": mtp_weight, "balance_weight": balance_weight, "n_train": n_train, "n_heldout": n_heldout,
@@ -507,41 +518,22 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
     model = Model(config)
     initialise(model, seed)
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
-    progress = load_state(out, model, optimizer) or {"step": 0, "history": [], "elapsed": 0.0}
-    if progress["step"]:
-        print(f"resuming from step {progress['step']}", flush=True)
 
     def objective(model, batch):
         parts = losses(model, batch)
         return parts["trunk"] + mtp_weight * parts["head"] + balance_weight * parts["balance"], parts
 
-    value_and_grad = nn.value_and_grad(model, objective)
-    batches = Batches(data["train"], batch, length, seed)
     probe = heldout_batch(data["heldout"], tokenizer, 8, length)
-    warmup = max(1, min(100, steps // 10))
-    bar = tqdm(total=steps, initial=progress["step"], desc="training", unit="step", dynamic_ncols=True)
-    started = time.time() - progress["elapsed"]
-    stop_at = steps if stop_after is None else min(steps, progress["step"] + stop_after)
-    while progress["step"] < stop_at:
-        step = progress["step"]
-        optimizer.learning_rate = learning_rate(step, steps, lr, warmup)
-        (loss, parts), grads = value_and_grad(model, batches(step))
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(model, grads)
-        mx.eval(model.parameters(), optimizer.state, loss, parts)
-        progress["step"] = step + 1
-        record = {"step": step + 1, "tokens": (step + 1) * batch * length, "loss": float(loss),
-                  **{k: float(v) for k, v in parts.items()}}
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            held = losses(model, probe, balance=False)
-            record["heldout_trunk"], record["heldout_head"] = float(held["trunk"]), float(held["head"])
-        progress["history"].append(record)
-        progress["elapsed"] = time.time() - started
-        bar.update(1)
-        bar.set_postfix(trunk=f"{record['trunk']:.3f}", head=f"{record['head']:.3f}", bal=f"{record['balance']:.2f}")
-        if (step + 1) % save_every == 0 or step + 1 in (steps, stop_at):
-            save_state(out, model, optimizer, progress)
-    bar.close()
+
+    def measure(step):
+        if not ((step + 1) % eval_every == 0 or step + 1 == steps):
+            return {}
+        held = losses(model, probe, balance=False)
+        return {"heldout_trunk": float(held["trunk"]), "heldout_head": float(held["head"])}
+
+    progress = optimise(out, model, optimizer, objective, Batches(data["train"], batch, length, seed), steps, lr,
+                        max(1, min(100, steps // 10)), save_every, stop_after, "training", measure,
+                        lambda r: {"trunk": f"{r['trunk']:.3f}", "head": f"{r['head']:.3f}", "bal": f"{r['balance']:.2f}"})
     (out / "loss_curve.json").write_text(json.dumps(progress["history"]))
     model.tokenizer = tokenizer
     return model, progress["step"] >= steps
