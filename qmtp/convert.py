@@ -206,6 +206,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
     src, config, ckpt, plan = source.path, source.config, source.ckpt, source.plan
     _check_destination(src, dst, force)  # again, under the lock: another run may have finished meanwhile
 
+    source.require_declared()  # layers config.json does not declare would be dropped from the output
     source.widths  # worked out here, so every stored shape is checked (empty: quantized sources were refused)
     source.require_trunk()
     head = _check_head(source, allow_incomplete_head)
