@@ -266,6 +266,7 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         print(f"scan: {len(ckpt)} tensors read, " + (f"{len(bad)} with NaN/Inf: {', '.join(bad[:5])}" if bad else "all finite"))
         if bad:
             problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
+    source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
     return problems
 
 

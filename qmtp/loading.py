@@ -146,6 +146,10 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
 
         model.tokenizer = Tokenizer.from_dir(path)
         model.tokenizer.check_fits(config.vocab_size, path)
+    # Every tensor came from the files whose headers were read; if the folder was replaced meanwhile (a
+    # `convert --force` into it), config.json or the tokenizer may be the other conversion's: refuse the mix.
+    source.check_unchanged()
+    source.ckpt.close()
     return model
 
 

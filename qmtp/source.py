@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import Checkpoint, read_json
+from .checkpoint import Checkpoint, _identity_at, read_json
 from .config import ModelConfig
 from .errors import CheckpointError, UsageError
 
@@ -40,6 +40,7 @@ class Source:
         UsageError when config.json declares fewer than k.
         """
         path = Path(path)
+        config_seen = _identity_at(path / "config.json")  # before reading it: a later change is then seen
         declared = ModelConfig.from_file(path)  # ConfigError when config.json is missing or unusable
         config = declared
         if layers is not None:
@@ -47,7 +48,14 @@ class Source:
                 raise UsageError(f"layers={layers}: {path / 'config.json'} declares {declared.num_hidden_layers} trunk "
                                  f"layers; give 1 to {declared.num_hidden_layers}, or None for all of them")
             config = declared.replace(num_hidden_layers=layers, layer_types=list(declared.layer_types[:layers]))
-        return cls(path, config, Checkpoint(path), declared, layers)  # CheckpointError when there are no weights
+        source = cls(path, config, Checkpoint(path), declared, layers)  # CheckpointError when there are no weights
+        source.ckpt.seen.setdefault(path / "config.json", config_seen)
+        return source
+
+    def check_unchanged(self) -> None:
+        """CheckpointError when config.json, the index or a shard is no longer the file read (another conversion
+        into the folder, say): what was read may mix the two. Called when a load or a conversion has read it all."""
+        self.ckpt.check_unchanged()
 
     @cached_property
     def raw_config(self) -> dict:

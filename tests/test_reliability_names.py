@@ -298,3 +298,115 @@ def test_layers_loads_a_checkpoint_of_only_those_layers(make):
     expect(CheckpointError, lambda: qmtp.load(path), "layers.2.", "missing")
     assert len(qmtp.load(path, layers=2, tokenizer=False).layers) == 2
     expect(UsageError, lambda: qmtp.load(path, layers=3), "layers=3", "stores 2 trunk layers", "1 to 2")
+
+
+# ---- class 4: a load reads the files it opened --------------------------------------------------------------
+def swap_in(dst: Path, other: Path) -> None:
+    """Replace folder `dst` by a copy of `other` as `convert --force` does (rename the old away, the new in)."""
+    import shutil
+
+    fresh = dst.with_name(dst.name + ".fresh")
+    shutil.copytree(other, fresh)
+    old = dst.with_name(f".{dst.name}.qmtp-old")
+    os.replace(dst, old)
+    os.replace(fresh, dst)
+    shutil.rmtree(old)
+
+
+@pytest.fixture(scope="module")
+def two_conversions(make):
+    """Two checkpoints of one config and different weights (as two conversions into one folder would be)."""
+    a = make("seed_a", shards=2)
+    b = synthetic.write_checkpoint(a.parent / "seed_b", CONFIG, dtype="F32", seed=6, shards=2, tokenizer=True)
+    return a, b
+
+
+def fresh_copy(source: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(source, tmp_path / "model"))
+
+
+NAMES = [P + "embed_tokens.weight", P + "layers.0.mlp.experts.gate_up_proj", "lm_head.weight",
+         "mtp.layers.0.mlp.experts.3.up_proj.weight"]
+
+
+@pytest.mark.parametrize("index", [None, (slice(0, 3),), (slice(None), slice(0, 16))])
+def test_a_checkpoint_reads_the_files_whose_headers_it_read(two_conversions, tmp_path, index):
+    """Whole tensors (mx.load's lazy arrays, through /proc/self/fd), rows and a cut (pread), in this thread and
+    another: after the folder is replaced, the tensors still come from the first checkpoint, and
+    `check_unchanged` refuses the mix."""
+    import threading
+
+    a, b = two_conversions
+    path = fresh_copy(a, tmp_path)
+    ckpt, want = Checkpoint(path), Checkpoint(a)
+    ckpt.load(NAMES[0], index)  # one read before the swap (the lazy cache holds this thread's mx.load of it)
+    swap_in(path, b)
+    other = Checkpoint(b)
+    for name in NAMES:
+        got = np.array(ckpt.load(name, index))
+        assert np.array_equal(got, np.array(want.load(name, index))), name
+        assert not np.array_equal(got, np.array(other.load(name, index))), name
+    seen = {}
+    worker = threading.Thread(target=lambda: seen.update(x=np.array(ckpt.load(NAMES[1], index))))
+    worker.start()
+    worker.join()
+    assert np.array_equal(seen["x"], np.array(want.load(NAMES[1], index)))
+    expect(CheckpointError, ckpt.check_unchanged, str(path), "folder changed while it was being read", "run again")
+    # and a checkpoint opened now reads the new files (the lazy cache is keyed by the file's identity)
+    assert np.array_equal(np.array(Checkpoint(path).load(NAMES[0])), np.array(other.load(NAMES[0])))
+
+
+@pytest.mark.parametrize("after", [1, 40])
+def test_a_load_overlapped_by_a_replaced_folder_fails_in_one_line(two_conversions, tmp_path, monkeypatch, after):
+    """The folder is replaced after `after` tensors are read: the load refuses (before the fix it returned a
+    model with the first tensors of one conversion and the rest of the other)."""
+    a, b = two_conversions
+    path = fresh_copy(a, tmp_path)
+    real, count = layout.Reader.materialise, [0]
+
+    def materialise(self, recipe, rows=None):
+        count[0] += 1
+        if count[0] == after:
+            swap_in(path, b)
+        return real(self, recipe, rows)
+
+    monkeypatch.setattr(layout.Reader, "materialise", materialise)
+    expect(CheckpointError, lambda: qmtp.load(path), str(path), "folder changed while it was being read")
+    monkeypatch.undo()
+    assert qmtp.load(path) is not None  # the folder as it is now loads
+
+
+def test_config_replaced_during_a_load_is_seen(two_conversions, tmp_path, monkeypatch):
+    a, _ = two_conversions
+    path = fresh_copy(a, tmp_path)
+    real = layout.Reader.materialise
+
+    def materialise(self, recipe, rows=None):
+        text = (path / "config.json").read_text()
+        (path / "config.json").unlink()
+        (path / "config.json").write_text(text)  # the same text, a new file: a rewrite is a change
+        return real(self, recipe, rows)
+
+    monkeypatch.setattr(layout.Reader, "materialise", materialise)
+    expect(CheckpointError, lambda: qmtp.load(path), "config.json", "folder changed")
+
+
+def test_convert_refuses_a_source_replaced_while_it_is_read(two_conversions, tmp_path, monkeypatch):
+    a, b = two_conversions
+    path = fresh_copy(a, tmp_path)
+    real, count = layout.Reader.materialise, [0]
+
+    def materialise(self, recipe, rows=None):
+        count[0] += 1
+        if count[0] == 5:
+            swap_in(path, b)
+        return real(self, recipe, rows)
+
+    monkeypatch.setattr(layout.Reader, "materialise", materialise)
+    out = tmp_path / "out"
+    from qmtp.convert import convert
+
+    expect(CheckpointError, lambda: convert(path, out, progress=False), "folder changed")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
