@@ -7,6 +7,11 @@ its own byte range. That is what makes a 70 GB checkpoint inspectable on a lapto
 The `safetensors` package cannot hand bfloat16 tensors to MLX (it goes through numpy, which has no
 bfloat16), so bytes are read here and viewed as the right MLX dtype; headers are validated here too, so
 a truncated download fails with the file's name rather than deep inside a library.
+
+A `Checkpoint` keeps every file open from the moment its header is read and reads each tensor from that open
+file (pread, or mx.load through /proc/self/fd), never by path again: a folder replaced meanwhile (another
+conversion written into it with --force) cannot mix its files into this one. `check_unchanged` then tells the
+caller that the folder changed, so it can refuse rather than pair these weights with another config.json.
 """
 
 from __future__ import annotations

@@ -410,3 +410,48 @@ def test_convert_refuses_a_source_replaced_while_it_is_read(two_conversions, tmp
 
     expect(CheckpointError, lambda: convert(path, out, progress=False), "folder changed")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.slow
+def test_chat_while_convert_force_replaces_the_folder_is_clean(two_conversions, tmp_path):
+    """As a user meets it: `chat` on a folder while `convert --force` writes other conversions into it, over and
+    over. Each chat prints the text of one of the two conversions (exit 0) or one line (exit 2): never a mix."""
+    import threading
+
+    a, b = two_conversions
+    refs = {}
+    for name, src in (("a", a), ("b", b)):
+        ref = tmp_path / f"ref_{name}"
+        assert run("convert", src, ref, "--quiet").returncode == 0
+        result = run("chat", ref, "--prompt", "Once upon a time", "--max-tokens", "6")
+        assert result.returncode == 0, result.stderr
+        refs[name] = result.stdout
+    assert refs["a"] != refs["b"]
+    dst = tmp_path / "dst"
+    assert run("convert", a, dst, "--quiet").returncode == 0
+    done, failures = threading.Event(), []
+
+    def convert_loop():
+        try:
+            for i in range(8):
+                result = run("convert", b if i % 2 == 0 else a, dst, "--quiet", "--force")
+                if result.returncode != 0:
+                    failures.append(result.stderr)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=convert_loop)
+    worker.start()
+    outcomes = []
+    while not done.is_set():
+        result = run("chat", dst, "--prompt", "Once upon a time", "--max-tokens", "6")
+        assert "Traceback" not in result.stderr, result.stderr
+        if result.returncode == 0:
+            assert result.stdout in refs.values(), (result.stdout, refs)
+            outcomes.append("a" if result.stdout == refs["a"] else "b")
+        else:
+            outcomes.append(one_line_error(result))
+    worker.join()
+    assert not failures, failures
+    print(outcomes)
+    assert outcomes
