@@ -331,13 +331,19 @@ NAMES = [P + "embed_tokens.weight", P + "layers.0.mlp.experts.gate_up_proj", "lm
          "mtp.layers.0.mlp.experts.3.up_proj.weight"]
 
 
+@pytest.mark.parametrize("proc", [True, False], ids=["/proc/self/fd", "no /proc"])
 @pytest.mark.parametrize("index", [None, (slice(0, 3),), (slice(None), slice(0, 16))])
-def test_a_checkpoint_reads_the_files_whose_headers_it_read(two_conversions, tmp_path, index):
-    """Whole tensors (mx.load's lazy arrays, through /proc/self/fd), rows and a cut (pread), in this thread and
+def test_a_checkpoint_reads_the_files_whose_headers_it_read(two_conversions, tmp_path, monkeypatch, index, proc):
+    """Whole tensors (mx.load's lazy arrays, through /proc/self/fd; without /proc, as on macOS, by path only
+    while the path still names the open file, else with pread), rows and a cut (pread), in this thread and
     another: after the folder is replaced, the tensors still come from the first checkpoint, and
     `check_unchanged` refuses the mix."""
     import threading
 
+    from qmtp import checkpoint as checkpoint_mod
+
+    if not proc:
+        monkeypatch.setattr(checkpoint_mod, "_FD_DIR", "/nonexistent/fd")
     a, b = two_conversions
     path = fresh_copy(a, tmp_path)
     ckpt, want = Checkpoint(path), Checkpoint(a)
