@@ -312,16 +312,16 @@ def _lazy_array(info: TensorInfo, fd: int, stat, pinned: bool):
             # names now, so a checkpoint's tensors come from the files whose headers it read
             arrays = mx.load(f"{_FD_DIR}/{fd}", format="safetensors")
         else:
-            if _identity_at(info.file) != key:
+            if identity_at(info.file) != key:
                 return None
             arrays = mx.load(str(info.file), format="safetensors")
-            if _identity_at(info.file) != key:  # replaced while mx.load opened it: it may have read the new one
+            if identity_at(info.file) != key:  # replaced while mx.load opened it: it may have read the new one
                 return None
         cached = _LAZY[where] = (key, arrays)
     return cached[1].pop(info.name)
 
 
-def _identity_at(path: Path):
+def identity_at(path: Path):
     try:
         return identity(os.stat(path))
     except OSError:
@@ -487,7 +487,7 @@ class Checkpoint:
         tensors were read from the files as they were when their headers were, but config.json or the tokenizer
         may come from the other one: the caller should start again."""
         for file, was in list(self.seen.items()) + [(Path(p), w) for p, w in also]:
-            now = _identity_at(file)
+            now = identity_at(file)
             handle = self._open.get(file)
             if now != was or (handle is not None and not handle.closed and identity(os.fstat(handle.fileno())) != was):
                 raise CheckpointError(f"{self.path}: the folder changed while it was being read ({file.name} was "
@@ -500,7 +500,7 @@ class Checkpoint:
             return [path]
         index_path = path / INDEX_NAME
         if index_path.exists() or index_path.is_symlink():
-            self.seen[index_path] = _identity_at(index_path)
+            self.seen[index_path] = identity_at(index_path)
             index = read_json(index_path, what="safetensors index")
             try:
                 weight_map = index["weight_map"]

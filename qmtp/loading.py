@@ -54,9 +54,11 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     only the first k trunk layers, on purpose: the config's layer pattern cut to k (`model.config` then says k
     layers), with the embeddings, the final norm, lm_head and the MTP head as stored. The model is a different,
     much worse one (its text is not the full model's), but a chapter that has to stay within a memory budget can
-    still run every piece on the real weights: `qmtp.load(path, layers=4)` reads about a tenth of the trunk of
-    Qwen3.6-35B-A3B. Layers past k are neither read nor needed (a checkpoint of only the first k loads). A
-    UsageError when k < 1 or k is more than the layers config.json declares or the checkpoint stores.
+    still run every piece on the real weights: `qmtp.load(path, layers=4)` reads 4 of the 40 trunk layers of
+    Qwen3.6-35B-A3B (the embeddings, lm_head and the head's layer whole: 9.7 GiB in bfloat16, twice that in
+    the CPU's default float32, so pass `dtype=mlx.core.bfloat16` on a small machine). Layers past k are neither
+    read nor needed (a checkpoint of only the first k loads). A UsageError when k < 1 or k is more than the
+    layers config.json declares or the checkpoint stores.
 
     `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
     stored, or one name ("norm"). Fixes a qmtp-written checkpoint records as already applied are never applied

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import Checkpoint, _identity_at, read_json
+from .checkpoint import Checkpoint, identity_at, read_json
 from .config import ModelConfig
 from .errors import CheckpointError, UsageError
 
@@ -40,7 +40,7 @@ class Source:
         UsageError when config.json declares fewer than k.
         """
         path = Path(path)
-        config_seen = _identity_at(path / "config.json")  # before reading it: a later change is then seen
+        config_seen = identity_at(path / "config.json")  # before reading it: a later change is then seen
         declared = ModelConfig.from_file(path)  # ConfigError when config.json is missing or unusable
         config = declared
         if layers is not None:
