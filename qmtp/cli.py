@@ -402,6 +402,9 @@ def chat(args) -> int:
             # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
             per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
             line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
+            if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
+                line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
+                         f"damaged: `python -m qmtp doctor MODEL --scan`)")
         print(line + "]", file=sys.stderr, flush=True)
     return 0
 
