@@ -166,6 +166,31 @@ def test_nan_in_a_large_expert_tensor_is_caught_while_decoding(damaged):
                      str(path), "NaN or Inf logits at position"))
 
 
+# ---- load: the small tensors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tensor, value", [
+    (P + "layers.1.linear_attn.A_log", INF),  # gave a different finite story
+    (P + "layers.1.linear_attn.A_log", NAN),
+    (P + "layers.2.mlp.gate.weight", NAN),  # a router
+    (P + "layers.4.mlp.shared_expert_gate.weight", -INF),
+    (P + "layers.0.linear_attn.dt_bias", NAN),
+    (P + "layers.0.linear_attn.conv1d.weight", NAN),
+    (P + "layers.5.linear_attn.norm.weight", NAN),
+    (P + "layers.3.self_attn.q_norm.weight", NAN),
+    (P + "norm.weight", INF),
+    ("mtp.pre_fc_norm_hidden.weight", NAN),
+])
+def test_load_refuses_a_nonfinite_small_tensor(damaged, tensor, value):
+    path = damaged("small_" + tensor.replace(P, "").replace(".", "_") + str(value), {tensor: (value, 1)})
+    print(expect(NonFiniteWeightError, lambda: qmtp.load(path), str(path), f"tensor {tensor} in model.safetensors",
+                 "holds NaN or Inf"))
+
+
+def test_cli_refuses_inf_a_log_in_one_line(damaged):
+    path = damaged("a_log_cli", {P + "layers.1.linear_attn.A_log": (INF, 0)})
+    print(one_line_error(run("chat", path, "--prompt", PROMPT, "--max-tokens", "4"), P + "layers.1.linear_attn.A_log",
+                         "holds NaN or Inf"))
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
     prompt_tokens = good.tokenizer.encode(PROMPT)
