@@ -235,6 +235,14 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
+    # One NaN in a norm, A_log, dt_bias, conv kernel or router changes every token (and a norm's would make the
+    # fixes record look contradicted): these few MB are always read, every tensor only with --scan.
+    small = source.nonfinite_small()
+    print(f"small tensors (norms, A_log, dt_bias, conv kernels, routers): {len(source.small_critical())} read, "
+          + (f"{len(small)} with NaN/Inf: {', '.join(small[:5])}" if small else "all finite"))
+    if small:
+        problems.append(str(source.nonfinite_error(small[0], f"{len(small)} small tensors in all" if len(small) > 1
+                                                   else "")))
     recorded, carried = source.recorded, source.carried
     try:
         source.check_carried()

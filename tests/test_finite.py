@@ -191,6 +191,44 @@ def test_cli_refuses_inf_a_log_in_one_line(damaged):
                          "holds NaN or Inf"))
 
 
+# ---- doctor -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from qmtp.convert import convert
+
+    dst = tmp_path_factory.mktemp("finite_converted") / "q4"
+    convert(BUNDLED_MODEL, dst, bits=4, progress=False)
+    return dst
+
+
+def test_doctor_names_a_nan_norm_of_a_conversion(converted, tmp_path):
+    """It used to say the fixes record and the tensors disagree (the NaN made the norms' median mean NaN)."""
+    path = tmp_path / "nan_norm"
+    shutil.copytree(converted, path)
+    tensor = "language_model.model.layers.0.input_layernorm.weight"
+    poke(path, tensor, NAN, 3)
+    result = run("doctor", path)
+    assert f"1 with NaN/Inf: {tensor}" in result.stdout
+    assert "DISAGREE" not in result.stdout and "record" not in result.stderr, result.stdout
+    print(one_line_error(result, path, f"tensor {tensor}", "holds NaN or Inf"))
+    print(one_line_error(run("chat", path, "--prompt", PROMPT), f"tensor {tensor}", "holds NaN or Inf"))
+
+
+def test_load_checks_a_quantized_routers_scales(converted, tmp_path):
+    path = tmp_path / "nan_router_scales"
+    shutil.copytree(converted, path)
+    tensor = "language_model.model.layers.2.mlp.gate.scales"
+    poke(path, tensor, NAN, 0)
+    expect(NonFiniteWeightError, lambda: qmtp.load(path), f"tensor {tensor}")
+
+
+def test_doctor_reports_small_tensors_finite(converted):
+    result = run("doctor", converted)
+    assert result.returncode == 0, result.stderr
+    assert "small tensors (norms, A_log, dt_bias, conv kernels, routers):" in result.stdout
+    assert "all finite" in result.stdout
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
     prompt_tokens = good.tokenizer.encode(PROMPT)
