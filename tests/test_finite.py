@@ -191,6 +191,30 @@ def test_cli_refuses_inf_a_log_in_one_line(damaged):
                          "holds NaN or Inf"))
 
 
+# ---- convert ------------------------------------------------------------------------------------------------------
+def test_convert_refuses_a_nan_expert_and_leaves_nothing(damaged, tmp_path):
+    tensor = P + "layers.2.mlp.experts.gate_up_proj"
+    path = damaged("expert_convert", {tensor: (NAN, 64 * 32 * 7 + 5)})  # expert 7
+    dst = tmp_path / "out"
+    from qmtp.convert import convert
+
+    print(expect(NonFiniteWeightError, lambda: convert(path, dst, bits=4, progress=False), str(path),
+                 f"tensor {tensor}", "row 7 of layers.2.mlp.experts.gate_proj.weight"))
+    assert list(tmp_path.iterdir()) == []  # no destination, no partial folder, no lock
+    result = run("convert", path, dst, "--bits", "4", "--quiet")
+    print(one_line_error(result, tensor, "holds NaN or Inf"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tensor", ["mtp.norm.weight", P + "layers.1.linear_attn.A_log", "lm_head.weight"])
+def test_convert_refuses_nonfinite_unquantized_and_float32_tensors(damaged, tmp_path, tensor):
+    path = damaged("convert_" + tensor.replace(".", "_"), {tensor: (INF, 2)})
+    from qmtp.convert import convert
+
+    expect(NonFiniteWeightError, lambda: convert(path, tmp_path / "out", bits=4, progress=False), f"tensor {tensor}")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- doctor -------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
