@@ -13,7 +13,9 @@ graph. Here nothing the next step needs lives on the host:
 
 So a step is a function of arrays to arrays, of fixed shapes for a given draft length: `mx.compile` traces
 it once and replays it with the elementwise work of all layers fused, and the host can queue step s + 1
-(`mx.async_eval`) before it reads the tokens of step s. Reading them is the step's only host sync.
+(`mx.async_eval`) before it reads the tokens of step s. Reading them is the step's only host sync; with
+them come whether the trunk's logits behind them were finite and which drafts came from finite head logits
+(damaged weights give NaN logits, whose argmax is an arbitrary token: the host stops instead of writing it).
 
 A step, with the trunk's cache holding positions 0..t-1 and `last` the previous verify pass (its trunk
 states, the trunk's choice after each of its positions, and how many of them were kept):
