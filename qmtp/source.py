@@ -132,7 +132,7 @@ class Source:
 
 
 def nonfinite_error(where, ckpt: Checkpoint, stored: str, what: str = "") -> NonFiniteWeightError:
-    """The one-line error for stored tensor `stored` holding NaN or Inf (`what`: where in it, e.g. "rows 0..15")."""
+    """The one-line error for stored tensor `stored` holding NaN or Inf (`what`: where in it, e.g. "row 7 of layers.2.mlp.experts.gate_proj.weight")."""
     info = ckpt.infos.get(stored)
     file = f" in {Path(info.file).name}" if info is not None else ""
     at = f" ({what})" if what else ""

@@ -42,7 +42,7 @@ class Step:
     drafts: list[int]
     accepted: int
     emitted: list[int]  # tokens this step added to the output (accepted drafts + the trunk's own)
-    nonfinite_drafts: int = 0  # proposed drafts whose head logits held NaN or Inf (verification rejects them)
+    nonfinite_drafts: int = 0  # proposed drafts chosen from NaN or Inf head logits (verified like any other)
 
 
 @dataclass
