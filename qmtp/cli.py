@@ -401,8 +401,12 @@ def chat(args) -> int:
     for prompt in prompts:
         print(prompt, end="", flush=True)
         text = TextStream(model.tokenizer)
-        g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
-                     temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+        try:
+            g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
+                         temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+        except QmtpError:  # damaged weights stop it mid-text: end the line streamed so far, then the error
+            print(flush=True)
+            raise
         text.finish(g.text)
         s = g.stats
         line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"

@@ -260,6 +260,7 @@ def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
     path = damaged("embed_cli", {P + "embed_tokens.weight": (NAN, token * 64 + 1)})
     result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "30")
     print(one_line_error(result, path, f"NaN or Inf logits at position {len(prompt_tokens) + i} (after token {token}"))
+    assert result.stdout.startswith(PROMPT) and result.stdout.endswith("\n")  # the text so far, its line ended
     result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "30", "--use-mtp", "--n-draft", "3")
     print(one_line_error(result, path, "NaN or Inf logits at position", str(token)))  # maybe as a draft
 
