@@ -240,6 +240,14 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
+    # One NaN in a norm, A_log, dt_bias, conv kernel or router changes every token (and a norm's would make the
+    # fixes record look contradicted): these few MB are always read, every tensor only with --scan.
+    small = source.nonfinite_small()
+    print(f"small tensors (norms, A_log, dt_bias, conv kernels, routers): {len(source.small_critical())} read, "
+          + (f"{len(small)} with NaN/Inf: {', '.join(small[:5])}" if small else "all finite"))
+    if small:
+        problems.append(str(source.nonfinite_error(small[0], f"{len(small)} small tensors in all" if len(small) > 1
+                                                   else "")))
     recorded, carried = source.recorded, source.carried
     try:
         source.check_carried()
@@ -399,8 +407,12 @@ def chat(args) -> int:
     for prompt in prompts:
         print(prompt, end="", flush=True)
         text = TextStream(model.tokenizer)
-        g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
-                     temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+        try:
+            g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
+                         temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+        except QmtpError:  # damaged weights stop it mid-text: end the line streamed so far, then the error
+            print(flush=True)
+            raise
         text.finish(g.text)
         s = g.stats
         line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"
@@ -408,6 +420,9 @@ def chat(args) -> int:
             # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
             per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
             line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
+            if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
+                line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
+                         f"damaged: `python -m qmtp doctor MODEL --scan`)")
         print(line + "]", file=sys.stderr, flush=True)
     return 0
 

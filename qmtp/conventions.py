@@ -22,6 +22,11 @@ FLOAT32_SUFFIXES = (".A_log",)
 
 CONV_KERNEL_SUFFIX = ".linear_attn.conv1d.weight"
 
+# The small tensors in which one bad value changes every token: every norm, the decay parameters, the conv
+# kernels and the routers (a few MB at full size). `qmtp.load` checks that they are finite; a NaN in a large
+# weight shows instead in the logits, which decoding checks at every step.
+SMALL_CRITICAL_SUFFIXES = (".A_log", ".dt_bias", CONV_KERNEL_SUFFIX) + ROUTER_SUFFIXES
+
 
 def is_head(name: str) -> bool:
     return name.startswith(HEAD_PREFIX)
@@ -37,6 +42,17 @@ def keeps_float32(name: str) -> bool:
 
 def is_conv_kernel(name: str) -> bool:
     return name.endswith(CONV_KERNEL_SUFFIX)
+
+
+def is_small_critical(name: str) -> bool:
+    """Norms, `A_log`, `dt_bias`, conv kernels and routers, and a quantized router's scales and biases (whose
+    codes are integers: the scales and biases are what can hold a NaN)."""
+    for part in (".scales", ".biases"):  # layout.QUANTIZED_PARTS
+        if name.endswith(part):
+            name = name[: -len(part)] + ".weight"
+    module, _, leaf = name.rpartition(".")
+    is_norm = leaf == "weight" and "norm" in module.rpartition(".")[2]  # q_norm, input_layernorm, pre_fc_norm_hidden
+    return is_norm or name.endswith(SMALL_CRITICAL_SUFFIXES)
 
 
 # ---- the conv kernel's layout -----------------------------------------------------------------------------------

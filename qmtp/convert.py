@@ -71,7 +71,7 @@ from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json
 from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
 from .errors import IncompleteHeadError, QmtpError, UsageError
 from .sizes import sizes
-from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source
+from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source, nonfinite_error
 
 # A tensor is read, fixed, quantized and written a block of rows at a time, so memory does not grow with the
 # largest tensor (a layer's 256 fused experts are 1 GB in bf16). 16 MiB blocks stay under glibc's largest mmap
@@ -226,7 +226,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
     digest = source_digest(ckpt)
     settings = dict(bits=bits, group_size=group_size, mtp_bits=mtp_bits, router_bits=router_bits,
                     router_group_size=ROUTER_GROUP_SIZE, lm_head_bits=lm_head_bits, embed_bits=bits)
-    writer = _TensorWriter(ckpt, plan, config, policy, dtype, fix_plan.applying)
+    writer = _TensorWriter(ckpt, plan, config, policy, dtype, fix_plan.applying, src)
     metadata = {
         "format": "mlx",
         "qmtp.version": __version__,
@@ -498,8 +498,9 @@ class _TensorWriter:
     of the weight's bytes at group 64 in bf16, 1/16 at group 32) until their turn; then they are dropped.
     """
 
-    def __init__(self, ckpt, plan, config, policy, dtype, applying):
+    def __init__(self, ckpt, plan, config, policy, dtype, applying, where=None):
         self.plan, self.policy, self.dtype, self.applying = plan, policy, dtype, applying
+        self.where = where if where is not None else ckpt.path  # how errors name the source
         self.reader = layout.Reader(ckpt, config)
         self.names = list(policy)  # trunk, then head, in the config's order (that of `sizes`)
         self.pending: dict[str, tuple[list, list]] = {}
@@ -526,7 +527,7 @@ class _TensorWriter:
 
     def _blocks(self, name, following, out_dtype):
         """The tensor `name`, fixed and in `out_dtype`, as consecutive blocks of rows of its first axis, each
-        read from the source on its own. Cutting there changes no byte: both fixes act on each row alone (the
+        read from the source on its own, with the first row of each: (start, block). Cutting there changes no byte: both fixes act on each row alone (the
         norm shift elementwise, the conv kernel on its last two axes) and every quantization group lies within
         a row."""
         import mlx.core as mx
@@ -534,19 +535,46 @@ class _TensorWriter:
         recipe, shape = self.plan.recipes[name], self.policy[name].shape
         dtype = getattr(mx, DTYPES[out_dtype][1])
         if not shape:  # a scalar: one block
-            yield fixes_mod.apply(name, self.reader.materialise(recipe), self.applying).astype(dtype)
+            yield 0, fixes_mod.apply(name, self.reader.materialise(recipe), self.applying).astype(dtype)
         else:
             row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * DTYPES[out_dtype][2]
             step = max(1, CHUNK_BYTES // max(1, row_bytes))
             for start in range(0, shape[0], step):
                 rows = (start, min(shape[0], start + step))
-                yield fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
+                yield start, fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
         # Keep a stored tensor read for slicing only while the next output tensor slices it too.
         if following is None or self.plan.recipes[following].sources[0] != recipe.sources[0]:
             self.reader.forget()
 
+    @staticmethod
+    def _rows_finite(block, stream=None):
+        """Per row of `block` (its first axis), whether it holds no NaN or Inf (lazy: evaluated with the block)."""
+        import mlx.core as mx
+
+        finite = mx.isfinite(block, stream=stream)
+        return finite.all(axis=tuple(range(1, block.ndim)), stream=stream) if block.ndim > 1 else finite
+
+    def _check(self, name, start: int, finite) -> None:
+        """Refuse a block (rows start.. of tensor `name`) holding NaN or Inf, naming the stored tensor: quantized,
+        a NaN would be hidden in its group's scale (making the whole group NaN), and written, it would change
+        tokens with no warning. It is raised before the output replaces the destination (nothing is left)."""
+        import mlx.core as mx
+
+        if finite.all().item():
+            return
+        row = start + (int(mx.argmin(finite.reshape(-1)).item()) if finite.ndim else 0)
+        recipe = self.plan.recipes[name]
+        stored = recipe.sources[row] if recipe.op == "stack" else recipe.sources[0]
+        where = f"row {row} of {name}" if finite.ndim else ""
+        raise nonfinite_error(self.where, self.reader.ckpt, stored, where)
+
     def _plain(self, name, out_dtype, following):
-        for block in self._blocks(name, following, out_dtype):
+        import mlx.core as mx
+
+        for start, block in self._blocks(name, following, out_dtype):
+            finite = self._rows_finite(block)
+            mx.eval(block, finite)
+            self._check(name, start, finite)
             yield tensor_bytes(block)
 
     def _quantize(self, name, following):
@@ -560,9 +588,13 @@ class _TensorWriter:
         # Neighbouring blocks go to the CPU streams, i.e. to two cores, and are evaluated together.
         while batch := list(itertools.islice(blocks, len(self.streams))):
             parts = [mx.quantize(block, group_size=t.group_size, bits=t.bits, stream=stream)
-                     for block, stream in zip(batch, self.streams)]
+                     for (_, block), stream in zip(batch, self.streams)]
+            finite = [self._rows_finite(block, stream) for (_, block), stream in zip(batch, self.streams)]
+            starts = [start for start, _ in batch]
             del batch
-            mx.eval(parts)
+            mx.eval(parts, finite)
+            for start, rows_finite in zip(starts, finite):
+                self._check(name, start, rows_finite)
             for codes, block_scales, block_biases in parts:
                 scales.append(block_scales)
                 biases.append(block_biases)

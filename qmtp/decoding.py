@@ -13,7 +13,9 @@ graph. Here nothing the next step needs lives on the host:
 
 So a step is a function of arrays to arrays, of fixed shapes for a given draft length: `mx.compile` traces
 it once and replays it with the elementwise work of all layers fused, and the host can queue step s + 1
-(`mx.async_eval`) before it reads the tokens of step s. Reading them is the step's only host sync.
+(`mx.async_eval`) before it reads the tokens of step s. Reading them is the step's only host sync; with
+them come whether the trunk's logits behind them were finite and which drafts came from finite head logits
+(damaged weights give NaN logits, whose argmax is an arbitrary token: the host stops instead of writing it).
 
 A step, with the trunk's cache holding positions 0..t-1 and `last` the previous verify pass (its trunk
 states, the trunk's choice after each of its positions, and how many of them were kept):
@@ -155,14 +157,16 @@ def draft(model, head, k: int, strategy, state: dict, last, key):
     z, buffers = head_step(model, head, hidden, next_tokens, state["head"], state["head_offset"])
     z = mx.take(z, (keep - 1).reshape(1), axis=1)
     offset = state["head_offset"] + keep
-    drafts, laws = [], []
+    drafts, laws, finite = [], [], []
     for i, draft_key in enumerate(mx.random.split(key, k) if strategy.random else [key] * k):
-        d, law = strategy.pick(model.logits(z)[:, -1].astype(mx.float32), draft_key)
+        logits = model.logits(z)[:, -1].astype(mx.float32)
+        d, law = strategy.pick(logits, draft_key)
         drafts.append(d)
         laws.append(law)
+        finite.append(mx.isfinite(logits).all().reshape(1))
         if i + 1 < k:  # entries past `offset` are the head's own guesses: the next step overwrites them
             z, buffers = head_step(model, head, z, d.reshape(1, 1), buffers, offset + i)
-    return mx.concatenate(drafts).reshape(1, k), laws, buffers, offset
+    return mx.concatenate(drafts).reshape(1, k), laws, mx.concatenate(finite), buffers, offset
 
 
 def verify(model, tokens: mx.array, state: dict, record: bool):
@@ -178,17 +182,22 @@ def roll_back(model, layers: list, keep: mx.array, record: bool) -> list:
 
 def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last, key):
     """One trunk pass and the drafts it checks: (new state, what the next step needs, the report
-    [pending, d_1..d_k, next, keep] as int32, experts per layer, new key)."""
+    [pending, d_1..d_k, next, keep, finite, draft_finite_1..k] as int32, experts per layer, new key).
+
+    `finite` counts the leading verify positions whose logits are all finite: below `keep`, the kept tokens
+    were chosen from NaN or Inf (damaged weights), which the host learns in the same read as the tokens.
+    `draft_finite_i` is 0 where the head's logits for d_i were not finite (such a draft is an arbitrary
+    token, which verification treats like any other)."""
     key, draft_key, accept_key = mx.random.split(key, 3) if strategy.random else (key, key, key)
     _, next_tokens, keep = last
     pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
     new_state = {}
     if k:
-        drafts, laws, new_state["head"], new_state["head_offset"] = draft(model, head, k, strategy, state, last,
-                                                                          draft_key)
+        drafts, laws, drafts_finite, new_state["head"], new_state["head_offset"] = draft(
+            model, head, k, strategy, state, last, draft_key)
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
-        laws, tokens = [], pending
+        laws, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
     pre, post, logits, experts, layers = verify(model, tokens, state, record)
     accepted, next_token = strategy.accept(tokens[0, 1:], laws, logits, accept_key)
     keep = accepted + 1
@@ -198,5 +207,7 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     n = k + 1
     after = mx.concatenate([tokens[:, 1:], next_token.reshape(1, 1)], axis=1)
     after = mx.where(mx.arange(n)[None] == keep - 1, next_token.reshape(1, 1), after)
-    report = mx.concatenate([tokens[0], next_token, keep.reshape(1).astype(mx.int32)])
+    finite = mx.cumprod(mx.isfinite(logits).all(axis=-1).astype(mx.int32)).sum()
+    report = mx.concatenate([tokens[0], next_token, keep.reshape(1).astype(mx.int32), finite.reshape(1),
+                             drafts_finite.astype(mx.int32)])
     return new_state, ((post if hidden == "post" else pre), after, keep), report, experts, key

@@ -27,3 +27,12 @@ class IncompleteHeadError(CheckpointError):
 
 class UsageError(QmtpError):
     """A call or command-line flag is outside what qmtp supports (bad n_draft, empty prompt...)."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A stored tensor holds NaN or Inf (named in the message): the checkpoint is damaged."""
+
+
+class NonFiniteLogitsError(QmtpError):
+    """The trunk computed NaN or Inf logits while decoding (the message names the position and the token):
+    some weight it used is damaged. Raised from `generate` rather than returning tokens chosen from NaN."""

@@ -112,7 +112,11 @@ SHIFTED_NORM_MEAN = 0.5
 
 def norms_look_shifted(ckpt, plan) -> bool | None:
     """Whether the stored zero-centred norms already hold 1 + w (median of their means above 0.5); None when
-    the checkpoint has none. Reads only the norms (a few kB)."""
+    the checkpoint has none. Reads only the norms (a few kB). A norm holding NaN or Inf says nothing about the
+    fixes and is left out (one would make the median NaN, and the record look contradicted): loading refuses
+    it by name, and doctor names it."""
+    import math
+
     import mlx.core as mx
     import numpy as np
 
@@ -121,7 +125,9 @@ def norms_look_shifted(ckpt, plan) -> bool | None:
         if is_zero_centred_norm(name) and len(recipe.sources) == 1:
             w = ckpt.load(recipe.sources[0])
             if mx.issubdtype(w.dtype, mx.floating) and w.size:
-                means.append(float(mx.mean(w.astype(mx.float32)).item()))
+                mean = float(mx.mean(w.astype(mx.float32)).item())
+                if math.isfinite(mean):
+                    means.append(mean)
     return None if not means else bool(np.median(means) > SHIFTED_NORM_MEAN)
 
 

@@ -15,7 +15,7 @@ from . import cores
 from . import fixes as fixes_mod
 from . import layout
 from . import memory
-from .conventions import keeps_float32
+from .conventions import is_small_critical, keeps_float32
 from .errors import CheckpointError, UsageError
 from .model import Model
 from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
@@ -118,16 +118,25 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     compute_float32 = requested_dtype is None and dtype == mx.bfloat16 and default_dtype() == mx.float32
     reader = layout.Reader(ckpt, config)
     wanted = set(_flat_names(model))
-    weights = []
+    weights, checked, flags = [], [], []
     for name, recipe in plan.recipes.items():
         if name not in wanted:
             continue  # head tensors when the head is not loaded
         w = fixes_mod.apply(name, reader.materialise(recipe), fix_plan.applying)
+        finite = None
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
             kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
             w = w.astype(mx.float32 if kept else dtype)
-        mx.eval(w)
+            if is_small_critical(name):  # one NaN here changes every token: refuse it by name
+                finite = mx.isfinite(w).all()
+                checked.append(recipe.sources[0])
+                flags.append(finite)
+        mx.eval(w) if finite is None else mx.eval(w, finite)
         weights.append((name, w))
+    # Read back together: one host read for all the flags (a few hundred at full size)
+    bad = next((stored for stored, ok in zip(checked, mx.stack(flags).tolist() if flags else []) if not ok), None)
+    if bad is not None:
+        raise source.nonfinite_error(bad)
     loaded = {name for name, _ in weights}
     if loaded != wanted:
         absent = sorted(wanted - loaded)

@@ -15,7 +15,8 @@ from . import fixes as fixes_mod
 from . import layout
 from .checkpoint import Checkpoint, identity_at, read_json
 from .config import ModelConfig
-from .errors import CheckpointError, UsageError
+from .conventions import is_small_critical
+from .errors import CheckpointError, NonFiniteWeightError, UsageError
 
 # What `Source.head_status` finds.
 HEAD_NOT_DECLARED = "not declared"  # config.json declares no MTP head
@@ -132,6 +133,28 @@ class Source:
         layout.check_head(self.plan, self.config, self.path)
         return HEAD_FULL if self.plan.head_has_routed_experts else HEAD_SHARED_ONLY
 
+    # ---- non-finite weights ---------------------------------------------------------------------------------------
+    def small_critical(self) -> list[tuple[str, str]]:
+        """(internal name, stored name) of the tensors `qmtp.load` checks for NaN and Inf: norms, `A_log`,
+        `dt_bias`, conv kernels, routers (a quantized router's scales and biases)."""
+        return [(name, source) for name, recipe in self.plan.recipes.items() if is_small_critical(name)
+                for source in recipe.sources]
+
+    def nonfinite_small(self) -> list[str]:
+        """Stored names of the small critical tensors that hold NaN or Inf, reading only them (a few MB at full
+        size) and reading back one flag per tensor at the end."""
+        import mlx.core as mx
+
+        names, flags = [], []
+        for _, stored in self.small_critical():
+            w = self.ckpt.load(stored)
+            if mx.issubdtype(w.dtype, mx.floating):
+                names.append(stored)
+                flags.append(mx.isfinite(w).all())
+                mx.eval(flags[-1])  # one tensor in memory at a time
+        ok = mx.stack(flags).tolist() if flags else []
+        return [n for n, good in zip(names, ok) if not good]
+
     # ---- the fixes ----------------------------------------------------------------------------------------------
     @cached_property
     def conv_shape(self) -> tuple[int, ...] | None:
@@ -155,8 +178,20 @@ class Source:
         """CheckpointError when the tensors contradict `carried`: believing it would shift the norms wrongly."""
         fixes_mod.check_against_tensors(self.ckpt, self.plan, self.carried, self.path)
 
+    def nonfinite_error(self, stored: str, what: str = "") -> NonFiniteWeightError:
+        return nonfinite_error(self.path, self.ckpt, stored, what)
+
     def fix_plan(self, requested) -> fixes_mod.FixPlan:
         """The fixes to apply when reading, for these requested ones: never one the weights already carry."""
         requested = fixes_mod.validate(requested)
         self.check_carried()
         return fixes_mod.FixPlan(self.carried, tuple(f for f in requested if f not in self.carried), self.has_conv)
+
+
+def nonfinite_error(where, ckpt: Checkpoint, stored: str, what: str = "") -> NonFiniteWeightError:
+    """The one-line error for stored tensor `stored` holding NaN or Inf (`what`: where in it, e.g. "row 7 of layers.2.mlp.experts.gate_proj.weight")."""
+    info = ckpt.infos.get(stored)
+    file = f" in {Path(info.file).name}" if info is not None else ""
+    at = f" ({what})" if what else ""
+    return NonFiniteWeightError(f"{where}: tensor {stored}{file} holds NaN or Inf{at}: the checkpoint is damaged; "
+                                f"fetch that file again (or convert again from an intact source)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .errors import QmtpError, UsageError
+from .errors import NonFiniteLogitsError, UsageError
 from . import adaptive, decoding
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
@@ -42,6 +42,7 @@ class Step:
     drafts: list[int]
     accepted: int
     emitted: list[int]  # tokens this step added to the output (accepted drafts + the trunk's own)
+    nonfinite_drafts: int = 0  # proposed drafts chosen from NaN or Inf head logits (verified like any other)
 
 
 @dataclass
@@ -61,6 +62,12 @@ class Stats:
     def trunk_passes(self) -> int:
         """Decode or verify passes (a replay after a partial accept is not counted: it is rollback work)."""
         return len(self.steps)
+
+    @property
+    def nonfinite_drafts(self) -> int:
+        """Proposed drafts the head chose from NaN or Inf logits (a damaged head): verification keeps the
+        output exact, but such a head drafts no better than chance, so `chat` reports them."""
+        return sum(s.nonfinite_drafts for s in self.steps)
 
     @property
     def widths(self) -> list[int]:
@@ -104,6 +111,7 @@ class Stats:
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "nonfinite_drafts": self.nonfinite_drafts,
         }
 
 
@@ -361,14 +369,17 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             queued = queue(state, last, key)  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
-        tokens, next_token, keep = report[:n], report[n], report[n + 1]
+        tokens, next_token, keep, finite = report[:n], report[n], report[n + 1], report[n + 2]
+        if finite < keep:  # a kept token was chosen from NaN or Inf logits
+            raise _nonfinite(model, len(prompt_tokens) + produced - 1 + finite, tokens[finite], drafts=tokens[1:])
+        proposed = report[n + 3:][: min(keep, n - 1)]  # as `Stats.drafted` counts: up to the first rejected
         if not record and keep < n:
             with timer("replay"):
                 state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
         if planner:
             planner.observe(n - 1, keep - 1)
         emitted = tokens[1:keep] + [next_token]
-        yield Step(tokens[1:], keep - 1, emitted), experts
+        yield Step(tokens[1:], keep - 1, emitted, proposed.count(0)), experts
         produced += len(emitted)
         if produced >= max_tokens or (eos is not None and eos in emitted):
             return
@@ -389,9 +400,7 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
-        where = f" {model.path}" if model.path else ""
-        raise QmtpError(f"model{where} computes NaN or Inf logits for the prompt: its weights are damaged "
-                        f"(find the tensor with `python -m qmtp doctor MODEL --scan`)")
+        raise _nonfinite(model, len(prompt_tokens) - 1, prompt_tokens[-1], "for the prompt ")
     h = post if hidden == "post" else pre
     if head is not None and len(prompt_tokens) > 1:
         _, state["head"] = decoding.head_step(model, head, h[:, :-1], tokens[:, 1:], state["head"], mx.array(0))
@@ -402,6 +411,25 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     last = (mx.pad(h[:, -1:], [(0, 0), (0, pad), (0, 0)]), mx.pad(first.reshape(1, 1), [(0, 0), (0, pad)]),
             mx.array(1, mx.int32))
     return state, last, int(first.item())
+
+
+def _nonfinite(model: Model, position: int, token: int, what: str = "", drafts=()) -> NonFiniteLogitsError:
+    """The error for NaN or Inf trunk logits after `token` at `position` (counted from the prompt's first token).
+
+    A pass that verifies drafts names them too: attention masks a later position with a zero weight, and zero
+    times NaN is NaN, so a draft whose own values are NaN (its embedding row, say) spoils the positions before
+    it in the same pass. Drafting may so stop a few tokens before plain decoding would, never later."""
+    where = f" {model.path}" if model.path else ""
+    text = ""
+    if model.tokenizer is not None:
+        try:
+            text = f" {model.tokenizer.decode([token])!r:.40}"
+        except Exception:  # a token id the tokenizer cannot decode: the id alone says enough
+            text = ""
+    verifying = f", in a pass verifying the drafts {', '.join(map(str, drafts))}" if drafts else ""
+    return NonFiniteLogitsError(
+        f"model{where} computes NaN or Inf logits {what}at position {position} (after token {token}{text}"
+        f"{verifying}): its weights are damaged (find the tensor with `python -m qmtp doctor MODEL --scan`)")
 
 
 def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_draft: int, hidden: str):
