@@ -17,8 +17,10 @@ decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculativ
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from .errors import QmtpError, UsageError
 from . import adaptive, decoding
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
-from .model import COMPILE, Model
+from .model import COMPILE, Model, release_at_thread_exit
 
 MAX_N_DRAFT = 8
 
@@ -214,6 +216,23 @@ def _prompt_tokens(model: Model, prompt) -> list[int]:
         raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
 
 
+def _one_call_at_a_time(generate):
+    """`generate` on a `Model` only, one call per model at a time (its lock; a callback from `on_tokens` may call
+    again, on the same thread); a thread that calls it frees its MLX state when it ends (`release_at_thread_exit`)."""
+
+    @functools.wraps(generate)
+    def serialised(model, *args, **kwargs):
+        if not isinstance(model, Model):
+            hint = " (load it first: qmtp.load(path))" if isinstance(model, (str, bytes, os.PathLike)) else ""
+            raise UsageError(f"model: give a qmtp Model{hint}, not {type(model).__name__} {model!r:.60}")
+        release_at_thread_exit()
+        with model.lock:
+            return generate(model, *args, **kwargs)
+
+    return serialised
+
+
+@_one_call_at_a_time
 def generate(
     model: Model,
     prompt,
