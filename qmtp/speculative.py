@@ -222,12 +222,12 @@ def _prompt_tokens(model: Model, prompt) -> list[int]:
     if isinstance(prompt, (Mapping, Set)):  # iterating gives keys, in no order a prompt has
         raise UsageError(f"prompt: give text or a sequence of integer token ids, not a {type(prompt).__name__}")
     try:
-        tokens = [operator.index(t) for t in prompt]
+        tokens = list(prompt)
+        if any(isinstance(t, (bool, np.bool_)) for t in tokens):  # True is 1 to operator.index
+            raise UsageError(f"prompt: give integer token ids, not booleans ({prompt!r:.60})")
+        return [operator.index(t) for t in tokens]
     except (TypeError, ValueError):
         raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
-    if any(isinstance(t, (bool, np.bool_)) for t in prompt):  # True is 1 to operator.index
-        raise UsageError(f"prompt: give integer token ids, not booleans ({prompt!r:.60})")
-    return tokens
 
 
 def _one_call_at_a_time(generate):

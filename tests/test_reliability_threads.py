@@ -164,6 +164,8 @@ CALLS = {
     "head a string": ("qmtp.generate(MODEL, PROMPT, n_draft=2, head='mtp')", "head: give an MTP head"),
     "head the model": ("qmtp.generate(MODEL, PROMPT, n_draft=2, head=MODEL)", "not Model"),
     "a prompt of booleans": ("qmtp.generate(MODEL, [True, False, True])", "not booleans"),
+    "an iterator with a boolean": ("qmtp.generate(MODEL, iter([1, True]))", "not booleans"),
+    "a numpy boolean array": ("qmtp.generate(MODEL, np.array([True, False]))", "not booleans"),
     "a dict prompt": ("qmtp.generate(MODEL, {1: 2, 3: 4})", "not a dict"),
     "a set prompt": ("qmtp.generate(MODEL, {1, 2})", "not a set"),
     "seed 2**64": ("qmtp.generate(MODEL, PROMPT, seed=2**64)", "seed=18446744073709551616"),
@@ -177,7 +179,7 @@ CALLS = {
 @pytest.mark.parametrize("case", list(CALLS))
 def test_unchecked_api_arguments_are_one_line(model, case):
     call, *fragments = CALLS[case]
-    message = helpers.expect(qmtp.UsageError, lambda: eval(call, {"qmtp": qmtp, "MODEL": model, "PROMPT": PROMPT}),
+    message = helpers.expect(qmtp.UsageError, lambda: eval(call, {"qmtp": qmtp, "np": np, "MODEL": model, "PROMPT": PROMPT}),
                              *fragments)  # noqa: S307 - a fixed table of calls
     print(f"{case}: {message}")
 
