@@ -179,8 +179,8 @@ CALLS = {
 @pytest.mark.parametrize("case", list(CALLS))
 def test_unchecked_api_arguments_are_one_line(model, case):
     call, *fragments = CALLS[case]
-    message = helpers.expect(qmtp.UsageError, lambda: eval(call, {"qmtp": qmtp, "np": np, "MODEL": model, "PROMPT": PROMPT}),
-                             *fragments)  # noqa: S307 - a fixed table of calls
+    names = {"qmtp": qmtp, "np": np, "MODEL": model, "PROMPT": PROMPT}
+    message = helpers.expect(qmtp.UsageError, lambda: eval(call, names), *fragments)  # noqa: S307 - a fixed table
     print(f"{case}: {message}")
 
 
