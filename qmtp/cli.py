@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .conventions import BITS, GROUP_SIZES, is_unquantized, parse_width, width_text
-from .errors import QmtpError, UsageError
+from .errors import QmtpError, UsageError, user_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +190,7 @@ def doctor(args) -> int:
     if bad:
         problems.append(f"the installed MLX computes quantized matmul wrongly at {', '.join(map(str, bad))} bits")
     if args.model is not None:
-        problems += _doctor_model(Path(args.model), args.scan)
+        problems += _doctor_model(user_path(args.model, "model directory"), args.scan)
     if problems:
         raise QmtpError("; ".join(problems))
     return 0
@@ -237,6 +237,15 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         else:
             print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
             problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
+    from .tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.check_dir(path, config.vocab_size)
+    except QmtpError as err:
+        print(f"tokenizer: UNUSABLE ({err})")
+        problems.append(str(err))
+    else:
+        print(f"tokenizer: {tokenizer.vocab_size} ids" if tokenizer else "tokenizer: none (chat needs tokenizer.json)")
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
@@ -397,6 +406,8 @@ def chat(args) -> int:
         _check_n_draft(args, MAX_N_DRAFT)
     if args.prompt is not None and not args.prompt:
         raise UsageError("the prompt is empty: give at least one token of text")
+    if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
+        raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
     n_draft = args.n_draft if args.use_mtp else 1
     model = load(args.model)
     if args.use_mtp:
@@ -478,6 +489,7 @@ def _stdin_prompts():
             raise UsageError(f"stdin: a prompt line is not valid UTF-8 ({err.reason} at byte {err.start}); give "
                              f"UTF-8 text") from None
         line = line.rstrip("\n")
+        line = line[:-1] if line.endswith("\r") else line  # a line ended by \r\n (Windows, a network tool)
         if line:
             yield line
 
@@ -528,6 +540,9 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _raise_terminated)
+    # Text the terminal's encoding cannot show (PYTHONIOENCODING=ascii, a C locale) is escaped, not fatal
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         args = build_parser().parse_args(argv)
         with _one_line_warnings():

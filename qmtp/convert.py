@@ -69,7 +69,7 @@ from . import layout
 from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json, shard_groups,
                          shard_name, tensor_bytes, write_index, write_safetensors)
 from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
-from .errors import IncompleteHeadError, QmtpError, UsageError
+from .errors import IncompleteHeadError, QmtpError, UsageError, user_path
 from .sizes import sizes
 from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source, nonfinite_error
 
@@ -183,7 +183,7 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
     started = time.perf_counter()
     bits, mtp_bits, router_bits, lm_head_bits = _check_arguments(bits, group_size, mtp_bits, router_bits,
                                                                  lm_head_bits, shards)
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    src, dst = user_path(src, "source"), user_path(dst, "destination")
     if not src.exists():
         raise UsageError(f"{src}: no such checkpoint directory")
     if not src.is_dir():
@@ -195,6 +195,9 @@ def convert(src, dst, bits: int = 8, group_size: int = 64, mtp_bits: int | None 
                          f"second time: convert the original checkpoint instead")
     # No fix is carried here (that was refused above); the norms may still look shifted under a PyTorch conv layout.
     fix_plan = source.fix_plan(fixes_mod.FIXES)
+    from .tokenizer import Tokenizer
+
+    Tokenizer.check_dir(src, source.config.vocab_size)  # a tokenizer.json chat cannot use is not copied
     _check_destination(src, dst, force)
     with _DestinationLock(dst) as lock:
         return _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_size, mtp_bits, router_bits,
@@ -239,7 +242,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
     tmp = None
     try:
         lock.make_parents()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.qmtp-partial-", dir=dst.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{side_stem(dst.name)}.qmtp-partial-", dir=dst.parent))
         os.chmod(tmp, 0o777 & ~_umask())
         # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves; but the
         # cache counts in the peak, which should stay a few blocks whatever the largest tensor (issue 15).
@@ -329,10 +332,31 @@ def _check_writable(folder: Path) -> None:
 
 
 def _remove_leftovers(dst: Path) -> None:
-    for stale in dst.parent.glob(f".{glob_escape(dst.name)}.qmtp-*") if dst.parent.is_dir() else ():
+    for stale in dst.parent.glob(f".{glob_escape(side_stem(dst.name))}.qmtp-*") if dst.parent.is_dir() else ():
         if stale.name.endswith(".qmtp-lock"):
             continue
         shutil.rmtree(stale, ignore_errors=True)
+
+
+SIDE_STEM_BYTES = 200  # side files add up to 24 bytes to a name; the filesystem allows 255
+
+
+def side_stem(name: str) -> str:
+    """What the side files of a destination `name` (`.STEM.qmtp-lock`, `-partial-*`, `-old`) carry of it: the name,
+    or for a name too long to take their suffixes within 255 bytes its start and a hash of the whole."""
+    encoded = os.fsencode(name)
+    if len(encoded) <= SIDE_STEM_BYTES:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    return _cut(name, 160) + "~" + digest
+
+
+def _cut(name: str, size: int) -> str:
+    """The longest start of `name` of at most `size` bytes (whole characters)."""
+    name = name[:size]
+    while len(os.fsencode(name)) > size:
+        name = name[:-1]
+    return name
 
 
 def glob_escape(name: str) -> str:
@@ -362,7 +386,7 @@ class _DestinationLock:
         parent = self.dst.parent
         if not parent.exists():
             self.make_parents()
-        self.path = parent / f".{self.dst.name}.qmtp-lock"
+        self.path = parent / f".{side_stem(self.dst.name)}.qmtp-lock"
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
@@ -468,7 +492,7 @@ def replace_directory(tmp: Path, dst: Path) -> None:
     behind (and no `dst` in the first case): the next run removes it, whether or not `dst` exists then.
     """
     _flush_to_disk(tmp)
-    old = dst.with_name(f".{dst.name}.qmtp-old")
+    old = dst.with_name(f".{side_stem(dst.name)}.qmtp-old")
     shutil.rmtree(old, ignore_errors=True)
     if dst.exists():
         os.replace(dst, old)

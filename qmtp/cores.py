@@ -32,7 +32,8 @@ class RowSplitLinear:
 
     def __init__(self, linear: nn.Module, parts: int):
         self.linear = linear
-        self.streams = [mx.new_stream(mx.cpu) for _ in range(parts)]
+        # thread-local: MLX binds a stream to the thread that made it, and a model may decode on any thread
+        self.streams = [mx.new_thread_local_stream(mx.cpu) for _ in range(parts)]
         rows = linear.weight.shape[0]
         bounds = [rows * i // parts for i in range(parts + 1)]
         self.blocks = [slice(a, b) for a, b in zip(bounds, bounds[1:])]

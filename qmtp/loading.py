@@ -16,7 +16,7 @@ from . import fixes as fixes_mod
 from . import layout
 from . import memory
 from .conventions import is_small_critical, keeps_float32
-from .errors import CheckpointError, UsageError
+from .errors import CheckpointError, UsageError, user_path
 from .model import Model
 from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
 
@@ -36,7 +36,7 @@ def resolve_path(path) -> Path:
         path = os.fsdecode(path)
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"path={path!r}: give a model directory as a str or pathlib.Path, not {type(path).__name__}")
-    path = Path(path).expanduser()
+    path = user_path(path, "model directory")
     if not path.exists():
         raise CheckpointError(f"{path}: no such model directory")
     if not path.is_dir():
@@ -152,7 +152,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         model._lm_head_split = cores.split_lm_head(model.lm_head)
     model.path = path
     mx.clear_cache()  # the casts' freed buffers would otherwise stay in MLX's cache, counted in the RSS
-    if tokenizer and (path / "tokenizer.json").exists():
+    if tokenizer and ((path / "tokenizer.json").exists() or (path / "tokenizer.json").is_symlink()):
         from .tokenizer import Tokenizer
 
         model.tokenizer = Tokenizer.from_dir(path)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +26,35 @@ from .norms import RMSNorm
 # speculative compiles each decoding step (`qmtp.decoding.step`) with mx.compile; QMTP_COMPILE=0 runs it
 # eagerly, with the same results. Kept here, where speculative reads it.
 COMPILE = os.environ.get("QMTP_COMPILE", "1") != "0"
+
+
+# ---- threads --------------------------------------------------------------------------------------------------
+# MLX (0.32) keeps per thread: the streams (an array is bound to the streams of the thread that built it), and
+# mx.compile's traces. A thread's traces hold Python objects, and the C++ runtime frees them in its thread-exit
+# destructors, after Python has let go of the thread: freeing them takes the GIL, and if the main thread is
+# already finalizing the interpreter by then, CPython ends the thread with a forced unwind through a noexcept
+# destructor, and the process aborts ("terminate called without an active exception"), after a correct result.
+# mx.clear_streams() frees them while the thread still holds the GIL, so every thread that decodes calls it as
+# its last MLX work: from a thread-local object Python deletes as the thread ends (`release_at_thread_exit`).
+_thread = threading.local()
+
+
+class _ReleaseMlx:
+    def __del__(self):
+        import mlx.core as mx
+
+        try:
+            mx.synchronize()  # work still queued (mx.async_eval of a generation left early) ends first
+        except Exception:
+            pass
+        mx.clear_streams()
+
+
+def release_at_thread_exit() -> None:
+    """Make this thread free its MLX streams and compiled traces when it ends (not the main thread, which
+    the interpreter ends itself); idempotent and cheap, so every entry point that runs MLX work may call it."""
+    if "release" not in _thread.__dict__ and threading.current_thread() is not threading.main_thread():
+        _thread.release = _ReleaseMlx()
 
 
 class Model(nn.Module):
@@ -44,6 +74,9 @@ class Model(nn.Module):
         self._lm_head_split = None  # qmtp.cores: lm_head in row blocks on several CPU streams, set by load()
         self.path: Path | None = None
         self.tokenizer = None
+        # Calls on one model are serialised (`qmtp.generate` holds it): tracing a compiled step swaps the
+        # weights for placeholders, which another thread would read ("an array without a primitive").
+        self.lock = threading.RLock()
 
     # ---- trunk ------------------------------------------------------------------------------------------
     def trunk(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:

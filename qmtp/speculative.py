@@ -17,9 +17,12 @@ decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculativ
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import os
 import time
+from collections.abc import Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,7 +33,8 @@ from .errors import NonFiniteLogitsError, UsageError
 from . import adaptive, decoding
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
-from .model import COMPILE, Model
+from .model import COMPILE, Model, release_at_thread_exit
+from .mtp import MTPHead
 
 MAX_N_DRAFT = 8
 
@@ -148,8 +152,8 @@ def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: 
         raise UsageError(f"max_tokens={max_tokens} must be at least 1")
     if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails every comparison
         raise UsageError(f"temperature={temperature} must be a finite number >= 0")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise UsageError(f"seed={seed!r} must be a non-negative integer")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
     vocab = model.config.vocab_size
     outside = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
     if outside is not None:  # MLX does not bounds-check an embedding lookup: garbage, or a crash
@@ -164,6 +168,13 @@ def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: 
     if len(prompt_tokens) > limit:
         raise UsageError(f"prompt of {len(prompt_tokens)} tokens is longer than the context of {limit} positions")
     needed = len(prompt_tokens) + max_tokens + n_draft - 1
+    if needed > limit and len(prompt_tokens) + n_draft > limit:  # not even one new token fits
+        drafts = f" and {n_draft - 1} drafted ahead" if n_draft > 1 else ""
+        raise UsageError(
+            f"prompt of {len(prompt_tokens)} tokens is too long: the context of {limit} positions holds the prompt"
+            f"{drafts} and at least one new token; shorten the prompt to at most {limit - n_draft} tokens"
+            + (" (or draft fewer)" if n_draft > 1 else "")
+        )
     if needed > limit:
         drafts = f" + {n_draft - 1} drafted ahead" if n_draft > 1 else ""
         raise UsageError(
@@ -216,12 +227,34 @@ def _prompt_tokens(model: Model, prompt) -> list[int]:
         return model.tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: they would pass as token ids
         raise UsageError("prompt: give text (str) or a list of token ids, not bytes (decode them first)")
+    if isinstance(prompt, (Mapping, Set)):  # iterating gives keys, in no order a prompt has
+        raise UsageError(f"prompt: give text or a sequence of integer token ids, not a {type(prompt).__name__}")
     try:
-        return [operator.index(t) for t in prompt]
+        tokens = list(prompt)
+        if any(isinstance(t, (bool, np.bool_)) for t in tokens):  # True is 1 to operator.index
+            raise UsageError(f"prompt: give integer token ids, not booleans ({prompt!r:.60})")
+        return [operator.index(t) for t in tokens]
     except (TypeError, ValueError):
         raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
 
 
+def _one_call_at_a_time(generate):
+    """`generate` on a `Model` only, one call per model at a time (its lock; a callback from `on_tokens` may call
+    again, on the same thread); a thread that calls it frees its MLX state when it ends (`release_at_thread_exit`)."""
+
+    @functools.wraps(generate)
+    def serialised(model, *args, **kwargs):
+        if not isinstance(model, Model):
+            hint = " (load it first: qmtp.load(path))" if isinstance(model, (str, bytes, os.PathLike)) else ""
+            raise UsageError(f"model: give a qmtp Model{hint}, not {type(model).__name__} {model!r:.60}")
+        release_at_thread_exit()
+        with model.lock:
+            return generate(model, *args, **kwargs)
+
+    return serialised
+
+
+@_one_call_at_a_time
 def generate(
     model: Model,
     prompt,
@@ -260,6 +293,13 @@ def generate(
     """
     prompt_tokens = _prompt_tokens(model, prompt)
     _check_types(max_tokens, n_draft, temperature)
+    # numpy integers are integers: as Python ints from here (range checks, bit_length, MLX's arguments)
+    max_tokens, n_draft = int(max_tokens), (n_draft if isinstance(n_draft, str) else int(n_draft))
+    if on_tokens is not None and not callable(on_tokens):  # else found only after the prefill
+        raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
+    if head is not None and not isinstance(head, MTPHead):
+        raise UsageError(f"head: give an MTP head (e.g. qmtp.mtp.without_routed_experts(model.mtp)), not "
+                         f"{type(head).__name__}")
     if hidden not in ("post", "pre"):
         raise UsageError(f"hidden={hidden!r}: use 'post' (after the final norm) or 'pre'")
     if rollback not in ("record", "replay"):
@@ -267,6 +307,7 @@ def generate(
     drafter = head if head is not None else model.mtp
     widest = max(adaptive.WIDTHS) if n_draft == "auto" else n_draft
     _validate(model, prompt_tokens, max_tokens, widest, temperature, seed, drafter if widest > 1 else None)
+    seed = int(seed)
     eos = model.tokenizer.eos_id if (stop_at_eos and model.tokenizer is not None) else None
     k = widest - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -161,6 +162,7 @@ class Tokenizer:
         tok_path = directory / TOKENIZER_FILE
         if not tok_path.exists() and not tok_path.is_symlink():
             raise CheckpointError(f"{directory}: missing {TOKENIZER_FILE} (looked for {tok_path})")
+        _refuse_dangling(tok_path)
         with open_regular(tok_path, what=TOKENIZER_FILE) as f:  # a FIFO or a folder: one line, no hang
             data = f.read(MAX_TOKENIZER_BYTES + 1)
         if len(data) > MAX_TOKENIZER_BYTES:
@@ -177,6 +179,19 @@ class Tokenizer:
                 raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(loaded).__name__}")
             config = loaded
         return cls(backend, config)
+
+    @classmethod
+    def check_dir(cls, path: str | os.PathLike[str], vocab_size: int) -> Tokenizer | None:
+        """The directory's tokenizer, parsed and checked against the model's vocabulary (doctor and convert
+        refuse a tokenizer.json chat could not use); None when there is no tokenizer.json at all."""
+        tok_path = Path(path) / TOKENIZER_FILE
+        if not tok_path.exists() and not tok_path.is_symlink():
+            return None
+        tokenizer = cls.from_dir(path)
+        with warnings.catch_warnings():  # a much smaller tokenizer works: `load` warns about it, once
+            warnings.simplefilter("ignore")
+            tokenizer.check_fits(vocab_size, path)
+        return tokenizer
 
     def check_fits(self, vocab_size: int, where) -> None:
         """Refuse a tokenizer of more ids than the model's embedding has rows (its ids would index past the
@@ -240,3 +255,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _refuse_dangling(path: Path) -> None:
+    """A symbolic link to nothing is not a missing file: say where it points."""
+    if path.is_symlink():
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: is a dangling symbolic link to {os.readlink(path)} (nothing is "
+                                  f"there); fix the link or copy the file in its place") from None
+        except OSError:
+            pass  # a loop or a permission: open_regular says which

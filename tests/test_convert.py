@@ -329,6 +329,10 @@ def test_tokenizer_files_are_copied(tmp_path):
               "generation_config.json"]
     for name in wanted + ["README.md", "notes.txt"]:
         (src / name).write_text(f"{name}\n")
+    import tokenizers  # the tokenizer is parsed before it is copied (a corrupt one is refused): real ones
+
+    (src / "tokenizer.json").write_text(tokenizers.Tokenizer(tokenizers.models.BPE()).to_str())
+    (src / "tokenizer_config.json").write_text("{}\n")
     dst = quiet_convert(src, tmp_path / "out").path
     assert sorted(p.name for p in dst.iterdir()) == sorted(wanted + ["config.json", "model.safetensors"])
     assert (dst / "chat_template.jinja").read_text() == "chat_template.jinja\n"

@@ -26,6 +26,7 @@ import numpy as np
 from .. import fixes as fixes_mod
 from ..checkpoint import DTYPES, array_bytes, shard_groups, shard_name, write_index, write_safetensors
 from ..config import QWEN36_35B_A3B, ModelConfig
+from ..convert import side_stem
 from ..conventions import is_conv_kernel, torch_conv_shape
 from ..errors import UsageError
 from ..layout import LAYOUTS, expected_shapes, stored_entries
@@ -244,9 +245,11 @@ def write_preset(directory: str | Path, preset: str, sparse: bool = False, seed:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     directory = Path(directory)
+    parent = directory.parent
+    if parent.is_dir():
+        _remove_stale_partials(directory)
     if directory.exists():
         raise UsageError(f"{directory}: already exists; give a new directory")
-    parent = directory.parent
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory to write {directory.name} into")
     config, shards = PRESETS[preset]["config"], PRESETS[preset]["shards"]
@@ -254,7 +257,8 @@ def write_preset(directory: str | Path, preset: str, sparse: bool = False, seed:
     if needed > free:
         raise UsageError(f"{parent}: {preset} needs {needed / 1e9:.1f} GB on disk, {free / 1e9:.1f} GB are free"
                          + ("" if sparse else " (--sparse needs a few GB)"))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{side_stem(directory.name)}.partial-", dir=parent))
+    held = _hold(tmp)  # while this run lives, a later one leaves its partial folder alone
     try:
         write_checkpoint(tmp, config, layout="released", seed=seed, dtype="BF16", shards=shards, sparse=sparse,
                          seeded=sparse, vision=True, tokenizer=True, progress=progress)
@@ -263,7 +267,38 @@ def write_preset(directory: str | Path, preset: str, sparse: bool = False, seed:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(held)
     return directory
+
+
+def _hold(folder: Path) -> int:
+    """An exclusive lock on `folder` itself, held by this process until it closes the descriptor (or dies)."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _remove_stale_partials(directory: Path) -> None:
+    """Remove the partial folders a killed run for `directory` left (a sparse full-size one is 71 GB apparent):
+    those whose lock no living run holds; a run still writing keeps its own."""
+    import fcntl
+    import glob
+
+    for stale in directory.parent.glob(f".{glob.escape(side_stem(directory.name))}.partial-*"):
+        try:
+            fd = os.open(stale, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(stale, ignore_errors=True)
+        except BlockingIOError:
+            pass  # another run is writing it right now
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:
