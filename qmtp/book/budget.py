@@ -174,15 +174,17 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
         {"chapter": "1. Anatomy", "at full size": "reads the headers only", "memory GiB": 0.0, "disk GB": 0.0,
          "minutes": 0.0},
         {"chapter": "2. Fixes", "at full size": f"{FIXES_LOADS} loads of the first {LAYERS} layers (no head), "
-                                                f"{FIXES_TEXTS} texts and {FIXES_TOKENS}-token continuations each",
+                                                f"{FIXES_TEXTS} text{'s' * (FIXES_TEXTS != 1)} and "
+                                                f"{FIXES_TOKENS}-token continuations each",
          "memory GiB": part_gib, "disk GB": 0.0,
          "minutes": minutes(FIXES_LOADS * part_read, fixes_positions * layer_pass)},
         {"chapter": "3. Converting", "at full size": f"one {BITS}-bit conversion (head bf16), kept for chapters 4-6; "
                                                      f"checked on the first {LAYERS} layers; mlx-lm not loaded",
          "memory GiB": part_gib + memory_bytes(part, BITS, head=False) / 2**30, "disk GB": converted,
          "minutes": minutes(release + converted + 2 * part_read, FIXES_TEXTS * TEXT_TOKENS * layer_pass * 2)},
-        {"chapter": "4. Quantizing", "at full size": f"trunk widths {QUANT_TRUNK_WIDTHS} on the first {LAYERS} layers "
-                                                     f"in memory; head widths rounded in memory on the {BITS}-bit model",
+        {"chapter": "4. Quantizing", "at full size": f"trunk widths {QUANT_TRUNK_WIDTHS} on the first {LAYERS} "
+                                                     f"layers in memory; head widths rounded in memory on the "
+                                                     f"{BITS}-bit model",
          "memory GiB": max(part_gib, full_gib), "disk GB": 0.0,
          "minutes": minutes(len(QUANT_TRUNK_WIDTHS) * part_read + converted,
                             len(QUANT_TRUNK_WIDTHS) * FIXES_TEXTS * TEXT_TOKENS * layer_pass
@@ -205,7 +207,8 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
 def _plans() -> dict[str, str]:
     return {
         "02_fixes": f"each variant is loaded with only the first {LAYERS} trunk layers and no head "
-                    f"(qmtp.load with layers={LAYERS}, head=False), measured on {FIXES_TEXTS} held-out text in "
+                    f"(qmtp.load with layers={LAYERS}, head=False), measured on {FIXES_TEXTS} held-out "
+                    f"text{'s' * (FIXES_TEXTS != 1)} in "
                     f"windows of {TEXT_TOKENS} tokens with {FIXES_TOKENS}-token continuations, instead of the whole "
                     f"model {FIXES_LOADS} times",
         "03_converting": f"the whole model is converted once, to {BITS} bits with the head in bf16, into a folder kept "
