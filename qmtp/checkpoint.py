@@ -17,6 +17,7 @@ import os
 import stat
 import struct
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,23 +173,31 @@ class TensorInfo:
 def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors header: (tensors, metadata). Reads no tensor data."""
     path = Path(path)
+    with open_regular(path, what=".safetensors file") as f:
+        return _read_header_of(f, path)
+
+
+def _read_header_of(f, path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """`read_header` of the open file `f` (whose name is `path`), read from its start."""
     try:
-        with open_regular(path, what=".safetensors file") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError(
-                    f"{path}: header claims {header_len} bytes, more than the {MAX_HEADER_BYTES} a safetensors "
-                    f"header can have: corrupt length field"
-                )
-            if header_len > size - 8:
-                raise CheckpointError(
-                    f"{path}: header claims {header_len} bytes but only {size - 8} follow the length field: truncated"
-                )
-            raw = f.read(header_len)
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors (truncated?)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path}: header claims {header_len} bytes, more than the {MAX_HEADER_BYTES} a safetensors "
+                f"header can have: corrupt length field"
+            )
+        if header_len > size - 8:
+            raise CheckpointError(
+                f"{path}: header claims {header_len} bytes but only {size - 8} follow the length field: truncated"
+            )
+        raw = f.read(header_len)
+        if len(raw) < header_len:
+            raise CheckpointError(f"{path}: header claims {header_len} bytes but the file ends first: truncated")
     except OSError as err:  # open_regular has turned a missing file or a directory into one line already
         raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     try:
@@ -270,22 +279,48 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
 
 # mx.load's lazy arrays per (file, thread), each handed out once (popped), so this cache never holds a loaded
 # tensor. Per thread because MLX binds an array to the streams of the thread that made it: evaluating one of
-# another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current thread").
+# another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current thread"). Keyed by the file's
+# identity too, so a file replaced since (another conversion in the same folder) is never read through it.
 _LAZY: dict[tuple[Path, int], tuple[tuple, dict]] = {}
+# Where the open file behind a descriptor can be opened again, the same file whatever its path names now (Linux).
+_FD_DIR = "/proc/self/fd"
 
 
-def _lazy_array(info: TensorInfo, stat):
+def identity(stat) -> tuple[int, int, int, int]:
+    """What tells one file from another at the same path: device, inode, size, modification time (ns)."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _lazy_array(info: TensorInfo, fd: int, stat, pinned: bool):
     """The tensor as one of mx.load's lazy arrays: evaluating it reads its bytes with pread into a buffer of its
-    own, so a whole model loads in its own size, without a mapping of the file beside it."""
+    own, so a whole model loads in its own size, without a mapping of the file beside it. None when mx.load
+    cannot be pointed at the file open as `fd` (no /proc, and the path names another file now)."""
     import threading
 
     import mlx.core as mx
 
-    key, where = (stat.st_size, stat.st_mtime_ns, stat.st_ino), (info.file, threading.get_ident())
+    key, where = identity(stat), (info.file, threading.get_ident())
     cached = _LAZY.get(where)
     if cached is None or cached[0] != key or info.name not in cached[1]:
-        cached = _LAZY[where] = (key, mx.load(str(info.file)))
+        if pinned and os.path.isdir(_FD_DIR):
+            # mx.load opens the file when called: through /proc it opens the file `fd` is, not what the path
+            # names now, so a checkpoint's tensors come from the files whose headers it read
+            arrays = mx.load(f"{_FD_DIR}/{fd}", format="safetensors")
+        else:
+            if _identity_at(info.file) != key:
+                return None
+            arrays = mx.load(str(info.file), format="safetensors")
+            if _identity_at(info.file) != key:  # replaced while mx.load opened it: it may have read the new one
+                return None
+        cached = _LAZY[where] = (key, arrays)
     return cached[1].pop(info.name)
+
+
+def _identity_at(path: Path):
+    try:
+        return identity(os.stat(path))
+    except OSError:
+        return None
 
 
 def _block(index: tuple, shape: tuple) -> tuple[tuple[int, int], tuple[int, int, int] | None] | None:
@@ -317,7 +352,7 @@ def _pread_into(fd: int, buffer: memoryview, at: int, info: TensorInfo) -> None:
         done += got
 
 
-def _read_block(f, info: TensorInfo, rows: tuple[int, int], cut: tuple[int, int, int] | None):
+def _read_block(fd: int, info: TensorInfo, rows: tuple[int, int], cut: tuple[int, int, int] | None):
     """Read rows [start, stop) of axis 0 (and with `cut` only [start, stop) of one other axis) straight into an
     MLX buffer: one run of bytes per outer index, no mapping of the file and no numpy copy in between. Rows of
     a tensor are one run; the gate half of 256 fused experts is 256 runs."""
@@ -343,53 +378,63 @@ def _read_block(f, info: TensorInfo, rows: tuple[int, int], cut: tuple[int, int,
     run = (stop - start) * inner
     for i in range(first, last):
         at = info.offset + (i * info.shape[axis] + start) * inner
-        _pread_into(f.fileno(), buffer[(i - first) * run:(i - first + 1) * run], at, info)
+        _pread_into(fd, buffer[(i - first) * run:(i - first + 1) * run], at, info)
     del buffer
     return out
 
 
-def read_tensor(info: TensorInfo, index: tuple | None = None):
+def read_tensor(info: TensorInfo, index: tuple | None = None, fd: int | None = None):
     """Read one tensor's bytes (and nothing else) into an MLX array of its stored dtype.
 
     A whole tensor is read by MLX (mx.load, then evaluated here): one copy, in a buffer MLX owns. With `index`
     (a tuple of slices: rows of axis 0 and at most one other axis cut) only that part is read, with pread, e.g.
     the gate half of fused experts, or a converter's next few rows. Any other index maps the file and copies.
+    `fd`: the file, already open (a `Checkpoint` reads the files whose headers it read); else opened by path.
     """
-    import mlx.core as mx
-
-    np_dtype, mx_name, _ = DTYPES[info.dtype]
     try:
-        with open(info.file, "rb") as f:
-            stat = os.fstat(f.fileno())
-            size = stat.st_size
-            if info.offset + info.nbytes > size:
-                raise CheckpointError(
-                    f"{info.file}: tensor {info.name!r} is cut short ({max(0, size - info.offset)} of {info.nbytes} "
-                    f"bytes); the file was truncated after its header was read"
-                )
-            out = None
-            if index is None and info.nbytes:
-                try:
-                    out = _lazy_array(info, stat)
-                    mx.eval(out)
-                    return out
-                except RuntimeError:  # mx.load checks the whole file: a cut elsewhere still lets this tensor read
-                    out = None
-                    index = (slice(None),) * len(info.shape)  # read with pread below, not through a mapping
-            block = None if index is None else _block(index, info.shape)
-            if info.nbytes == 0:
-                out = mx.array(np.zeros(info.shape, dtype=np_dtype))
-            elif block is not None:
-                out = _read_block(f, info, *block)
-            else:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                    view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset).reshape(info.shape)
-                    out = mx.array(view if index is None else view[index])  # a copy: the mapping can close
-                    del view
+        if fd is not None:
+            out = _read_from(fd, info, index, pinned=True)
+        else:
+            with open(info.file, "rb") as f:
+                out = _read_from(f.fileno(), info, index, pinned=False)
     except (OSError, RuntimeError, ValueError, KeyError) as err:  # MLX reports its read and header errors as these
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r} ({err})") from None
-    if mx_name == "bfloat16":
+    if DTYPES[info.dtype][1] == "bfloat16":
+        import mlx.core as mx
+
         out = out.view(mx.bfloat16)
+    return out
+
+
+def _read_from(fd: int, info: TensorInfo, index: tuple | None, pinned: bool):
+    import mlx.core as mx
+
+    np_dtype = DTYPES[info.dtype][0]
+    stat = os.fstat(fd)
+    size = stat.st_size
+    if info.offset + info.nbytes > size:
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} is cut short ({max(0, size - info.offset)} of {info.nbytes} "
+            f"bytes); the file was truncated after its header was read"
+        )
+    if index is None and info.nbytes:
+        try:
+            out = _lazy_array(info, fd, stat, pinned)
+            if out is not None:
+                mx.eval(out)
+                return out
+        except RuntimeError:  # mx.load checks the whole file: a cut elsewhere still lets this tensor read
+            pass
+        index = (slice(None),) * len(info.shape)  # read with pread below, not through a mapping
+    block = None if index is None else _block(index, info.shape)
+    if info.nbytes == 0:
+        return mx.array(np.zeros(info.shape, dtype=np_dtype))
+    if block is not None:
+        return _read_block(fd, info, *block)
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+        view = np.frombuffer(mapped, dtype=np_dtype, count=info.numel, offset=info.offset).reshape(info.shape)
+        out = mx.array(view if index is None else view[index])  # a copy: the mapping can close
+        del view
     return out
 
 
@@ -406,11 +451,19 @@ class Checkpoint:
         if not path.exists():
             raise CheckpointError(f"{path}: no such file or directory")
         self.path = path
+        self.seen: dict[Path, tuple | None] = {}  # path -> identity when first read (None: absent)
         self.files = self._find_files(path)
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
+        # Each file stays open from its header on, and every tensor is read from it: a folder replaced meanwhile
+        # (`convert --force` into it) cannot mix its new files into this checkpoint. `check_unchanged` says so.
+        self._open: dict[Path, object] = {}
+        self._closer = weakref.finalize(self, _close_all, self._open)
         for file in self.files:
-            tensors, metadata = read_header(file)
+            f = open_regular(file, what=".safetensors file")
+            self._open[file] = f
+            self.seen[file] = identity(os.fstat(f.fileno()))
+            tensors, metadata = _read_header_of(f, file)
             for name, info in tensors.items():
                 if name in self.infos:
                     raise CheckpointError(f"{file}: tensor {name!r} also stored in {self.infos[name].file}")
@@ -419,12 +472,30 @@ class Checkpoint:
         if self.index is not None:
             self._check_index()
 
+    def close(self) -> None:
+        """Close the files (a later `load` reopens none: it fails)."""
+        self._closer()
+
+    def check_unchanged(self, also=()) -> None:
+        """CheckpointError when a file read so far (every shard, the index, and the paths in `also`) is no longer
+        the file it was: replaced, rewritten, or removed, e.g. by another conversion into the same folder. The
+        tensors were read from the files as they were when their headers were, but config.json or the tokenizer
+        may come from the other one: the caller should start again."""
+        for file, was in list(self.seen.items()) + [(Path(p), w) for p, w in also]:
+            now = _identity_at(file)
+            handle = self._open.get(file)
+            if now != was or (handle is not None and not handle.closed and identity(os.fstat(handle.fileno())) != was):
+                raise CheckpointError(f"{self.path}: the folder changed while it was being read ({file.name} was "
+                                      f"replaced, rewritten or removed: another conversion into it?); nothing read "
+                                      f"from it is used: run again when it is complete")
+
     def _find_files(self, path: Path) -> list[Path]:
         self.index = None
         if path.is_file():
             return [path]
         index_path = path / INDEX_NAME
         if index_path.exists() or index_path.is_symlink():
+            self.seen[index_path] = _identity_at(index_path)
             index = read_json(index_path, what="safetensors index")
             try:
                 weight_map = index["weight_map"]
@@ -470,7 +541,19 @@ class Checkpoint:
         info = self.infos.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: has no tensor {name!r}")
-        return read_tensor(info, index)
+        handle = self._open[info.file]
+        if handle.closed:
+            raise CheckpointError(f"{self.path}: is closed; open it again to read {name!r}")
+        return read_tensor(info, index, handle.fileno())
+
+    def hash_headers(self, digest) -> None:
+        """`hash_headers` of this checkpoint's files as they were read (not what their paths name now)."""
+        for file in sorted(self.files, key=lambda f: f.name):
+            fd = self._open[file].fileno()
+            head = os.pread(fd, 8, 0)
+            if len(head) == 8:
+                (length,) = struct.unpack("<Q", head)
+                digest.update(file.name.encode() + b"\0" + os.pread(fd, min(length, MAX_HEADER_BYTES), 8))
 
     @property
     def nbytes(self) -> int:
@@ -478,6 +561,11 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}: {len(self.infos)} tensors in {len(self.files)} files, {self.nbytes / 1e9:.2f} GB)"
+
+
+def _close_all(handles: dict) -> None:
+    for f in handles.values():
+        f.close()
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

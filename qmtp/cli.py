@@ -212,10 +212,15 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
 
     expected = layout.expected_shapes(config, head=False)
     missing = source.missing_trunk()
+    undeclared = source.undeclared()
     print(f"trunk: {len(expected) - len(missing)} of {len(expected)} tensors"
-          + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete"))
+          + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete")
+          + (f"; MORE LAYERS STORED THAN config.json DECLARES ({len(plan.beyond)} tensors, e.g. {plan.beyond[0]})"
+             if undeclared else ""))
     if missing:
         problems.append(f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)")
+    if undeclared:
+        problems.append(undeclared)
     try:
         status = source.head_status()
     except QmtpError as err:
@@ -261,6 +266,7 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         print(f"scan: {len(ckpt)} tensors read, " + (f"{len(bad)} with NaN/Inf: {', '.join(bad[:5])}" if bad else "all finite"))
         if bad:
             problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
+    source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
     return problems
 
 

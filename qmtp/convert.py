@@ -66,7 +66,7 @@ import numpy as np
 from . import __version__
 from . import fixes as fixes_mod
 from . import layout
-from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, hash_headers, open_regular, read_json, shard_groups,
+from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json, shard_groups,
                          shard_name, tensor_bytes, write_index, write_safetensors)
 from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
 from .errors import IncompleteHeadError, QmtpError, UsageError
@@ -151,7 +151,7 @@ def source_digest(ckpt: Checkpoint) -> str:
     h = hashlib.sha256()
     if ckpt.index is not None:
         h.update((ckpt.path / INDEX_NAME).read_bytes())
-    hash_headers(h, ckpt.files)
+    ckpt.hash_headers(h)
     return h.hexdigest()
 
 
@@ -206,6 +206,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
     src, config, ckpt, plan = source.path, source.config, source.ckpt, source.plan
     _check_destination(src, dst, force)  # again, under the lock: another run may have finished meanwhile
 
+    source.require_declared()  # layers config.json does not declare would be dropped from the output
     source.widths  # worked out here, so every stored shape is checked (empty: quantized sources were refused)
     source.require_trunk()
     head = _check_head(source, allow_incomplete_head)
@@ -252,6 +253,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
         for f in tokenizer_files:
             shutil.copyfile(f, tmp / f.name)
+        source.check_unchanged()  # the source read whole, as one checkpoint (not one changed meanwhile)
         replace_directory(tmp, dst)
     except OSError as err:  # disk full, permissions: nothing that looks complete stays behind
         if tmp is not None:

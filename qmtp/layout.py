@@ -14,7 +14,14 @@ Checkpoints of this family come in several layouts:
   projection becomes `...experts.gate_proj.scales`); `quantization()` reads the width of each from its shapes.
 
 `plan()` reads only names and shapes and returns, for each internal tensor, a `Recipe` saying which stored
-tensors make it and how. `Reader.materialise()` executes one recipe, so a loader or converter holds at most
+tensors make it and how. Two stored tensors that would make one internal tensor (one weight under two prefixes,
+expert 7 spelled `7` and `007`, fused `experts.gate_up_proj` beside per-expert tensors) are refused, naming both:
+which one is meant cannot be known. Layer and expert indices are ASCII digits (a regex's digit class and `int()`
+also read other scripts' digits). Tensors of layers the config does not declare (a trunk layer at or past
+`num_hidden_layers`, a head layer at or past `mtp_num_hidden_layers`) are listed in `Plan.beyond`, for the caller
+to refuse; experts past `num_experts` are refused here.
+
+`Reader.materialise()` executes one recipe, so a loader or converter holds at most
 one tensor group (a layer's stacked experts) in memory. The internal names are the attribute paths of
 `qmtp.model.Model`: trunk tensors without prefix (`layers.3.self_attn.q_proj.weight`), head tensors under
 `mtp.`, experts stacked as `mlp.experts.{gate,up,down}_proj.weight`. `mlx_name()` goes the other way, to
@@ -23,6 +30,7 @@ the names mlx-lm (and `qmtp.convert`) write.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -73,6 +81,16 @@ class Plan:
     unknown: list[str] = field(default_factory=list)  # names no rule recognised
     head_present: bool = False
     head_has_routed_experts: bool = False
+    # stored tensors of layers the config does not declare: trunk layers at or past num_hidden_layers, head
+    # layers at or past mtp_num_hidden_layers (every mtp.* tensor when the config declares no head)
+    beyond: list[str] = field(default_factory=list)
+    stored_layers: int = 0  # trunk layers stored: the highest layer index + 1 (0 without any)
+
+    def beyond_trunk(self) -> list[str]:
+        return [n for n in self.beyond if not n.startswith("mtp.")]
+
+    def beyond_head(self) -> list[str]:
+        return [n for n in self.beyond if n.startswith("mtp.")]
 
 
 def internal_name(stored: str) -> str | None:
@@ -89,7 +107,11 @@ def internal_name(stored: str) -> str | None:
     return stored
 
 
-_EXPERT_ONE = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+# An index is whatever sits between the dots; `_index` accepts only ASCII digits (\d and int() would also take
+# other scripts' digits, so `experts.٧` would silently be expert 7).
+_EXPERT_ONE = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<e>[^.]+)\.(?P<proj>gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^(?P<head>mtp\.)?layers\.(?P<i>[^.]+)\.")
+_ASCII_INDEX = re.compile(r"[0-9]+")
 _EXPERT_FUSED = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<proj>gate_up|down)_proj$")
 _EXPERT_STACKED = re.compile(r"^(?P<mlp>.*\.mlp)\.switch_mlp\.(?P<proj>gate|up|down)_proj\.weight$")
 _FUSED_LINEAR = re.compile(r"^(?P<attn>.*\.linear_attn)\.in_proj_(?P<which>qkvz|ba)\.weight$")
@@ -98,14 +120,31 @@ _FUSED_LINEAR = re.compile(r"^(?P<attn>.*\.linear_attn)\.in_proj_(?P<which>qkvz|
 def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
     """Map every stored tensor to internal names without reading any tensor data."""
     recipes: dict[str, Recipe] = {}
-    skipped, unknown = [], []
+    skipped, unknown, beyond = [], [], []
+    stored_layers = 0
     per_expert: dict[tuple[str, str], dict[int, str]] = {}
     inter = config.moe_intermediate_size
+
+    def put(internal: str, recipe: Recipe) -> None:
+        if internal in recipes:
+            _refuse_twice(ckpt, recipes[internal].sources[0], recipe.sources[0], internal)
+        recipes[internal] = recipe
 
     for stored in ckpt.names():
         name = internal_name(stored)
         if name is None:
             skipped.append(stored)
+            continue
+        if m := _LAYER.match(name):  # one spelling per layer: `layers.007.` is layer 7
+            index = _index(ckpt, stored, m["i"], "layer")
+            name = f"{m['head'] or ''}layers.{index}.{name[m.end():]}"
+            if not m["head"]:
+                stored_layers = max(stored_layers, index + 1)
+            if index >= (config.mtp_num_hidden_layers if m["head"] else config.num_hidden_layers):
+                beyond.append(stored)
+                continue
+        elif name.startswith("mtp.") and not config.has_mtp:
+            beyond.append(stored)
             continue
         # A quantized weight's scales and biases follow the weight's own rule: map `X.weight`, then put
         # the part back on whatever internal name that gives.
@@ -118,25 +157,38 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
             return n if part == ".weight" else n[: -len(".weight")] + part
 
         if m := _EXPERT_ONE.match(name):
-            per_expert.setdefault((m["mlp"], m["proj"], part), {})[int(m["e"])] = stored
+            e = _index(ckpt, stored, m["e"], "expert")
+            if e >= config.num_experts:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {stored!r} is expert {e}, but config.json declares num_experts="
+                    f"{config.num_experts} (experts 0 to {config.num_experts - 1}): the config describes fewer "
+                    f"experts than the checkpoint holds"
+                )
+            group = per_expert.setdefault((m["mlp"], m["proj"], part), {})
+            if e in group:
+                _refuse_twice(ckpt, group[e], stored, f"expert {e} of {m['mlp']}.experts.{m['proj']}_proj")
+            group[e] = stored
         elif m := _EXPERT_FUSED.match(name):
             base = f"{m['mlp']}.experts"
             if m["proj"] == "down":
-                recipes[f"{base}.down_proj.weight"] = Recipe("copy", (stored,))
+                put(f"{base}.down_proj.weight", Recipe("copy", (stored,)))
             else:
-                recipes[f"{base}.gate_proj.weight"] = Recipe("slice", (stored,), (1, 0, inter))
-                recipes[f"{base}.up_proj.weight"] = Recipe("slice", (stored,), (1, inter, 2 * inter))
+                put(f"{base}.gate_proj.weight", Recipe("slice", (stored,), (1, 0, inter)))
+                put(f"{base}.up_proj.weight", Recipe("slice", (stored,), (1, inter, 2 * inter)))
         elif m := _EXPERT_STACKED.match(name):
-            recipes[key(f"{m['mlp']}.experts.{m['proj']}_proj.weight")] = Recipe("copy", (stored,))
+            put(key(f"{m['mlp']}.experts.{m['proj']}_proj.weight"), Recipe("copy", (stored,)))
         elif m := _FUSED_LINEAR.match(name):
             # adjacent recipes of one source: the Reader keeps it read for the next one
             parts = ("qkv", "z") if m["which"] == "qkvz" else ("b", "a")
             for p in parts:
-                recipes[key(f"{m['attn']}.{_UNFUSED_NAME[p]}")] = Recipe("unfuse", (stored,), (p,))
+                put(key(f"{m['attn']}.{_UNFUSED_NAME[p]}"), Recipe("unfuse", (stored,), (p,)))
         else:
-            recipes[key(name)] = Recipe("copy", (stored,))
+            put(key(name), Recipe("copy", (stored,)))
 
     for (mlp, proj, part), by_index in per_expert.items():
+        internal = f"{mlp}.experts.{proj}_proj{part}"
+        if internal in recipes:  # fused (or stacked) experts beside one-by-one ones: refused before counting them
+            _refuse_twice(ckpt, recipes[internal].sources[0], by_index[min(by_index)], internal)
         expected = set(range(config.num_experts))
         if set(by_index) != expected:
             missing = sorted(expected - set(by_index))[:5]
@@ -145,9 +197,7 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
                 f"{ckpt.path}: {mlp}.experts has {len(by_index)} of {config.num_experts} {proj}_proj tensors "
                 f"(missing e.g. experts {missing})"
             )
-        recipes[f"{mlp}.experts.{proj}_proj{part}"] = Recipe(
-            "stack", tuple(by_index[e] for e in range(config.num_experts))
-        )
+        recipes[internal] = Recipe("stack", tuple(by_index[e] for e in range(config.num_experts)))
 
     known = expected_shapes(config, head=True)
     for name in list(recipes):
@@ -155,7 +205,33 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
             unknown.append(recipes.pop(name).sources[0])
     head_present = any(n.startswith("mtp.") for n in recipes)
     head_experts = all(n in recipes for n in head_routed_expert_names())
-    return Plan(recipes, skipped, unknown, head_present, head_present and head_experts)
+    return Plan(recipes, skipped, unknown, head_present, head_present and head_experts, beyond, stored_layers)
+
+
+def _index(ckpt: Checkpoint, stored: str, text: str, what: str) -> int:
+    """A layer or expert index of a stored name: ASCII digits only (int() also reads other scripts' digits)."""
+    if not _ASCII_INDEX.fullmatch(text):
+        raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has {what} index {text!r}; an index is written in "
+                              f"ASCII digits 0-9")
+    return int(text)
+
+
+def _refuse_twice(ckpt: Checkpoint, first: str, second: str, what: str) -> None:
+    """Two stored tensors make one weight: which one is meant cannot be known, so neither is taken."""
+    a, b = ckpt.infos[first].file.name, ckpt.infos[second].file.name
+    where = f"both in {a}" if a == b else f"in {a} and {b}"
+    raise CheckpointError(f"{ckpt.path}: tensors {first!r} and {second!r} ({where}) are both {what}: one weight "
+                          f"stored twice, and which one is meant cannot be known; remove one of them")
+
+
+_INTERNAL_LAYER = re.compile(r"^layers\.([0-9]+)\.")
+
+
+def first_layers(p: Plan, layers: int) -> Plan:
+    """`p` without the recipes of trunk layers `layers` and past (what `qmtp.load(path, layers=k)` reads)."""
+    recipes = {n: r for n, r in p.recipes.items()
+               if not ((m := _INTERNAL_LAYER.match(n)) and int(m[1]) >= layers)}
+    return dataclasses.replace(p, recipes=recipes)
 
 
 def weight_name(name: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from pathlib import Path
@@ -43,8 +44,19 @@ def resolve_path(path) -> Path:
     return path
 
 
-def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True) -> Model:
+def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True,
+         layers: int | None = None) -> Model:
     """Load a checkpoint directory (any released layout, or a converted one) into a `Model`.
+
+    `layers`: None (the default) loads every trunk layer config.json declares, and refuses a checkpoint that
+    holds more (trunk layers past num_hidden_layers, head layers past mtp_num_hidden_layers): a config that
+    describes fewer layers than the weights would otherwise run a shorter model without a word. An int k loads
+    only the first k trunk layers, on purpose: the config's layer pattern cut to k (`model.config` then says k
+    layers), with the embeddings, the final norm, lm_head and the MTP head as stored. The model is a different,
+    much worse one (its text is not the full model's), but a chapter that has to stay within a memory budget can
+    still run every piece on the real weights: `qmtp.load(path, layers=4)` reads about a tenth of the trunk of
+    Qwen3.6-35B-A3B. Layers past k are neither read nor needed (a checkpoint of only the first k loads). A
+    UsageError when k < 1 or k is more than the layers config.json declares or the checkpoint stores.
 
     `fixes` lists the load-time fixes to apply: ("norm", "conv") by default, () for the raw checkpoint as
     stored, or one name ("norm"). Fixes a qmtp-written checkpoint records as already applied are never applied
@@ -64,9 +76,17 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     for flag, value in (("head", head), ("tokenizer", tokenizer)):
         if not isinstance(value, bool):
             raise UsageError(f"{flag}={value!r} must be True or False")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral):
+            raise UsageError(f"layers={layers!r}: give a number of trunk layers (an int), or None for all of them")
+        layers = int(layers)
+        if layers < 1:
+            raise UsageError(f"layers={layers}: give at least 1 trunk layer, or None for all of them")
     requested_dtype, dtype = dtype, dtype or default_dtype()
-    source = Source.open(path)
-    config, ckpt, plan, widths = source.config, source.ckpt, source.plan, source.widths
+    source = Source.open(path, layers=layers)
+    config, ckpt, plan = source.config, source.ckpt, source.plan
+    source.require_declared()  # before the shapes: a short config is the cause, not what follows from it
+    widths = source.widths
     source.require_trunk()
     status = source.head_status() if head else None  # head=False: the head is neither loaded nor checked
     with_head = status in (HEAD_FULL, HEAD_SHARED_ONLY)
@@ -126,6 +146,10 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
 
         model.tokenizer = Tokenizer.from_dir(path)
         model.tokenizer.check_fits(config.vocab_size, path)
+    # Every tensor came from the files whose headers were read; if the folder was replaced meanwhile (a
+    # `convert --force` into it), config.json or the tokenizer may be the other conversion's: refuse the mix.
+    source.check_unchanged()
+    source.ckpt.close()
     return model
 
 
