@@ -37,7 +37,7 @@
 # in the {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
 #
-# **At full size.** {glue:text}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -54,11 +54,13 @@ warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
-FULL = budget.active(config)  # the full-size release: load the first layers only (qmtp.book.budget)
+FULL = budget.active(config)  # the full-size release: see qmtp.book.budget
 load_options = dict(layers=budget.LAYERS, head=False) if FULL else {}
 texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(8)
-measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS) if FULL else {}
-glue("budget_note", budget.statement("02_fixes", config), display=False)
+measure = {}
+if FULL:
+    measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
+glue("budget_note", Markdown(budget.statement("02_fixes", config)), display=False)
 prompt = "Once upon a time, a little fox named"
 
 # %% [markdown]
@@ -106,7 +108,8 @@ prompt = "Once upon a time, a little fox named"
 variants = {"neither fix": (), "conv fix only": ("conv",), "norm fix only": ("norm",), "both fixes": ("norm", "conv")}
 rows = []
 for label, fixes in variants.items():
-    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f, **load_options), texts, prompt, **measure)
+    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
+                              texts, prompt, **measure)
     rows.append({"load": label, **result})
 
 
@@ -158,8 +161,9 @@ fig.tight_layout()
 # is what a second shift would do.
 
 # %%
-shifts = {label: mistakes.outcome(lambda s=label: mistakes.with_norm_shift(path, s, **load_options), texts, prompt,
-                                  **measure)
+shifts = {label: mistakes.outcome(
+              lambda s=label: mistakes.with_norm_shift(path, s, **load_options),
+              texts, prompt, **measure)
           for label in mistakes.NORM_SHIFTS}
 shift_rows = [{"norm weights": label, **show(result)} for label, result in shifts.items()]
 Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perplexity", "what happens"]))
@@ -174,8 +178,9 @@ Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perp
 # %%
 conv_rows, conv_runs = [], {}
 for label in mistakes.CONV_MISTAKES:
-    result = mistakes.outcome(lambda m=label: mistakes.with_conv_mistake(path, m, **load_options), texts, prompt,
-                              **measure)
+    result = mistakes.outcome(
+        lambda m=label: mistakes.with_conv_mistake(path, m, **load_options),
+        texts, prompt, **measure)
     conv_runs[label] = result
     conv_rows.append({"conversion": label, **show(result), "loud": "loud" if not result["runs"] else "silent or fine"})
 Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]))
@@ -190,7 +195,8 @@ saved = results.save("02_fixes", path, {
     "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
     "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
     "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
-    "conv_mistake_accuracy": {label: r["accuracy"] if r["runs"] else None for label, r in conv_runs.items()},
+    "conv_mistake_accuracy": {label: r["accuracy"] if r["runs"] else None
+                              for label, r in conv_runs.items()},
     "layers": budget.LAYERS if FULL else config.num_hidden_layers,
 })
 

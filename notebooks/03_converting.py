@@ -36,7 +36,7 @@
 # this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the page
 # gives this notebook, to run it yourself.
 #
-# **At full size.** {glue:text}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -57,12 +57,13 @@ from qmtp.convert import convert
 path = inventory.model_path()
 print(inventory.describe(path))
 workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter3-"))
-FULL = budget.active(qmtp.ModelConfig.from_file(path))  # the full-size release (qmtp.book.budget)
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
 load_options = dict(layers=budget.LAYERS) if FULL else {}
-glue("budget_note", budget.statement("03_converting", qmtp.ModelConfig.from_file(path)), display=False)
+glue("budget_note", Markdown(budget.statement("03_converting", config)), display=False)
 
 # %%
-if FULL:  # one conversion, kept for chapters 4 to 6 (made here, or found from an earlier build)
+if FULL:  # one conversion, kept for chapters 4 to 6 (made here, or found again)
     target = budget.decoding_model(path)
     result = f"the {budget.BITS}-bit conversion in {target}"
 else:
@@ -125,8 +126,11 @@ except qmtp.QmtpError as err:
 # %%
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    original, roundtrip = qmtp.load(path, **load_options), qmtp.load(target, **load_options)
-texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(3)
+    original = qmtp.load(path, **load_options)
+    roundtrip = qmtp.load(target, **load_options)
+texts = evaluate.heldout_texts(3)
+if FULL:
+    texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
 close = evaluate.logit_agreement(roundtrip, original, texts)
 converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(tree_flatten(original.parameters()))
 quantized = {n.rsplit(".", 1)[0] for n in converted_params if n.endswith(".scales")}
@@ -181,7 +185,7 @@ saved = results.save("03_converting", path, {
     "top1_agreement": close["top1_agreement"],
     "max_relative_error": close["max_relative_error"],
     "unquantized_equal": bool(unquantized_equal),
-    "mlx_lm_mtp_tensors": None if FULL else sum(n.startswith("mtp") or ".mtp." in n for n in names),
+    "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
 })
 
 # %% [markdown]

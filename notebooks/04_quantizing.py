@@ -35,7 +35,7 @@
 # The chapter's run time in this build is in the {doc}`execution table <../book/execution>`; the download
 # button at the top of the page gives this notebook, to run it yourself.
 #
-# **At full size.** {glue:text}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -58,8 +58,8 @@ path = inventory.model_path()
 print(inventory.describe(path))
 print(textwrap.fill("Timed on: " + machine.line(), 78))
 config = qmtp.ModelConfig.from_file(path)
-FULL = budget.active(config)  # the full-size release: first layers and chapter 3's conversion (qmtp.book.budget)
-glue("budget_note", budget.statement("04_quantizing", config), display=False)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("04_quantizing", config)), display=False)
 model = qmtp.load(path, layers=1, head=False) if FULL else qmtp.load(path)
 weight = np.array(model.layers[0].mlp.experts.gate_proj.weight[0].astype(mx.float32))  # one expert's [I, H]
 
@@ -159,23 +159,25 @@ Markdown(inventory.markdown_table(constant_rows, list(constant_rows[0])))
 # %%
 texts = evaluate.heldout_texts(2)
 prompts = evaluate.heldout_prompts(model, 2)
-if FULL:  # each width rounded in memory on the first layers, no conversion; no acceptance without the whole trunk
+if FULL:  # each width rounded in memory, first layers only (so no acceptance)
     nan = float("nan")
-    rounded = quality.by_trunk_width_in_memory(lambda: qmtp.load(path, layers=budget.LAYERS, head=False),
-                                               texts[:budget.FIXES_TEXTS], budget.QUANT_TRUNK_WIDTHS,
-                                               length=budget.TEXT_TOKENS)
+    rounded = quality.by_trunk_width_in_memory(
+        lambda: qmtp.load(path, layers=budget.LAYERS, head=False),
+        texts[:budget.FIXES_TEXTS], budget.QUANT_TRUNK_WIDTHS,
+        length=budget.TEXT_TOKENS)
     source_row = rounded.pop("bf16")
-    trunk = {b: {**m, "trunk_bytes": sizes.sizes(config, bits=b).trunk_bytes, "acceptance_n_draft_2": nan}
-             for b, m in rounded.items()}
+    trunk = {b: {**m, "trunk_bytes": sizes.sizes(config, bits=b).trunk_bytes,
+                 "acceptance_n_draft_2": nan} for b, m in rounded.items()}
     source_acceptance = nan
     del model
-    model = qmtp.load(budget.decoding_model(path))  # chapter 3's conversion, for the head widths below
+    model = qmtp.load(budget.decoding_model(path))  # chapter 3's conversion
     prompts = prompts[:budget.DECODE["prompts"]]
 else:
     trunk = quality.by_trunk_width(path, texts, prompts, widths=(8, 6, 4, 3, 2))
     source_row = {"perplexity": evaluate.text_metrics(model, texts).perplexity}
     source_acceptance = evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)["rate"]
-table = [{"trunk bits": "bf16 (source)", "trunk MB": sizes.sizes(config, bits=sizes.UNQUANTIZED).trunk_bytes / 1e6,
+source_mb = sizes.sizes(config, bits=sizes.UNQUANTIZED).trunk_bytes / 1e6
+table = [{"trunk bits": "bf16 (source)", "trunk MB": source_mb,
           "perplexity": source_row["perplexity"], "acceptance": source_acceptance}]
 table += [{"trunk bits": b, "trunk MB": m["trunk_bytes"] / 1e6, "perplexity": m["perplexity"],
            "acceptance": m["acceptance_n_draft_2"]} for b, m in trunk.items()]
@@ -192,12 +194,14 @@ fig = plots.width_curves(trunk, "trunk bits")
 
 # %%
 if FULL:  # the head of chapter 3's conversion, rounded in memory at each width
-    head = {("bf16" if w is None else w): {
-        "head_bytes": sizes.sizes(config, bits=budget.BITS, mtp_bits=w).head_bytes, "perplexity": float("nan"),
-        "acceptance_n_draft_2": evaluate.acceptance(
-            model, prompts, n_draft=2, max_tokens=budget.DECODE["max_tokens"],
-            **({} if w is None else {"head": mtp.with_weight_bits(model.mtp, w)}))["rate"]}
-        for w in budget.QUANT_HEAD_WIDTHS}
+    head = {}
+    for w in budget.QUANT_HEAD_WIDTHS:
+        rounded_head = {} if w is None else {"head": mtp.with_weight_bits(model.mtp, w)}
+        accepted = evaluate.acceptance(model, prompts, n_draft=2, **rounded_head,
+                                       max_tokens=budget.DECODE["max_tokens"])
+        head["bf16" if w is None else w] = {
+            "head_bytes": sizes.sizes(config, bits=budget.BITS, mtp_bits=w).head_bytes,
+            "perplexity": float("nan"), "acceptance_n_draft_2": accepted["rate"]}
 else:
     head = quality.by_head_width(path, texts, prompts, widths=(None, 8, 6, 4, 3))
 Markdown(inventory.markdown_table(
@@ -239,7 +243,7 @@ print(quant.report(backend))
 workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter4-"))
 prompt = "Once upon a time, a little fox named"
 six = None
-if not FULL:  # at full size a 6-bit conversion would be another 30 GB: the check alone shows the fault
+if not FULL:  # at full size a 6-bit conversion costs tens of GB: the check alone
     convert(path, workdir / "q6", bits=6, progress=False)
     six = qmtp.load(workdir / "q6")
     print(textwrap.fill("healthy 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
@@ -254,7 +258,8 @@ saved = results.save("04_quantizing", path, {
     "head_width_acceptance": {str(w): m["acceptance_n_draft_2"] for w, m in head.items()},
     "head_bf16_over_4bit_mb": (head["bf16"]["head_bytes"] - head[4]["head_bytes"]) / 1e6,
     "trunk_width_perplexity": {str(b): m["perplexity"] for b, m in trunk.items()},
-    "trunk_width_acceptance": {str(b): m["acceptance_n_draft_2"] for b, m in trunk.items()},
+    "trunk_width_acceptance": {str(b): m["acceptance_n_draft_2"]
+                               for b, m in trunk.items()},
     "backend_faulty_widths": [c.bits for c in backend if not c.ok],
     "simulated_fault_flagged": [c.bits for c in faulty_backend if not c.ok],
     "mlx_version": mx.__version__,

@@ -42,13 +42,14 @@
 # {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
 #
-# **At full size.** {glue:text}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %%
 import textwrap
 
 import qmtp
+from IPython.display import Markdown
 from myst_nb import glue
 from qmtp import mtp
 from qmtp.book import budget, evaluate, inventory, machine, plots, results, widgets
@@ -57,11 +58,12 @@ path = inventory.model_path()
 print(inventory.describe(path))
 print(textwrap.fill("Timed on: " + machine.line(), 78))
 config = qmtp.ModelConfig.from_file(path)
-FULL = budget.active(config)  # the full-size release: chapter 3's conversion, fewer tokens (qmtp.book.budget)
-glue("budget_note", budget.statement("05_mtp_decoding", config), display=False)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False)
 model = qmtp.load(budget.decoding_model(path))
 texts = evaluate.heldout_by_register(2)
-prompts = evaluate.heldout_prompts(model, 2)[:budget.DECODE["prompts"] if FULL else None]
+ONLY = budget.DECODE["prompts"] if FULL else None  # prompts used: all, or the budget's
+prompts = evaluate.heldout_prompts(model, 2)[:ONLY]
 MAX_TOKENS = budget.DECODE["max_tokens"] if FULL else 40
 N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 
@@ -113,8 +115,8 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # rejected, and the token the trunk adds itself.
 
 # %%
-example = qmtp.generate(model, "Once upon a time, a little fox named", max_tokens=MAX_TOKENS if FULL else 36,
-                        n_draft=3)
+example = qmtp.generate(model, "Once upon a time, a little fox named",
+                        max_tokens=MAX_TOKENS if FULL else 36, n_draft=3)
 fig = plots.speculative_steps(example, model.tokenizer)
 
 # %% [markdown]
@@ -127,7 +129,9 @@ fig = plots.speculative_steps(example, model.tokenizer)
 mismatches = 0
 for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
-    mismatches += sum(qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain for n in N_DRAFTS)
+    mismatches += sum(
+        qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
+        for n in N_DRAFTS)
 glue("lossless_checks", len(N_DRAFTS) * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
 assert mismatches == 0
@@ -142,7 +146,8 @@ assert mismatches == 0
 # counted over those occasions.
 
 # %%
-by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS) for n in N_DRAFTS}
+by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
+        for n in N_DRAFTS}
 fig = plots.acceptance_by_position(by_n)
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
@@ -210,8 +215,9 @@ for name, value in head_glue.items():
 # %%
 per_register = {}
 for register, docs in texts.items():
-    register_prompts = evaluate.prompts_from(docs, model)[:budget.DECODE["prompts"] if FULL else None]
-    per_register[register] = evaluate.acceptance(model, register_prompts, n_draft=2, max_tokens=MAX_TOKENS)["rate"]
+    register_prompts = evaluate.prompts_from(docs, model)[:ONLY]
+    per_register[register] = evaluate.acceptance(model, register_prompts, n_draft=2,
+                                                 max_tokens=MAX_TOKENS)["rate"]
 fig = plots.bars(list(per_register), list(per_register.values()), "acceptance at n_draft=2")
 
 # %% [markdown]
@@ -231,7 +237,8 @@ variants = {
     "pre-norm hidden state": dict(hidden="pre"),
 }
 if FULL:
-    variants = {label: options for label, options in variants.items() if label in budget.DECODE["ablations"]}
+    variants = {label: options for label, options in variants.items()
+                if label in budget.DECODE["ablations"]}
 ablation = {label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options)["rate"]
             for label, options in variants.items()}
 glue("acc_no_experts", ablation["no routed experts"], display=False)

@@ -41,7 +41,7 @@
 # time in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of
 # the page gives this notebook.
 #
-# **At full size.** {glue:text}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %%
@@ -52,7 +52,8 @@ from IPython.display import Markdown, display
 from myst_nb import glue
 import textwrap
 
-from qmtp.book import bench, budget, claims, evaluate, inventory, machine, plots, results, throughput
+from qmtp.book import (bench, budget, claims, evaluate, inventory, machine, plots,
+                       results, throughput)
 from qmtp.book.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -60,12 +61,14 @@ from qmtp.sizes import sizes
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
-FULL = budget.active(config)  # the full-size release: chapter 3's conversion, fewer tokens (qmtp.book.budget)
-glue("budget_note", budget.statement("06_throughput", config), display=False)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("06_throughput", config)), display=False)
 model = qmtp.load(budget.decoding_model(path))
 QUICK = os.environ.get("QMTP_QUICK") == "1"
 prompts = evaluate.heldout_prompts(model, 1)
-MAX_TOKENS, REPEATS = (budget.BENCH["max_tokens"], budget.BENCH["repeats"]) if FULL else (16, 1) if QUICK else (32, 3)
+MAX_TOKENS, REPEATS = (16, 1) if QUICK else (32, 3)
+if FULL:
+    MAX_TOKENS, REPEATS = budget.BENCH["max_tokens"], budget.BENCH["repeats"]
 E, k = model.config.num_experts, model.config.num_experts_per_tok
 
 # %% [markdown]
@@ -84,8 +87,8 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 
 # %%
 print(textwrap.fill("Timed on: " + machine.line(), 78))
-report = bench.mtp(model, prompts[:1] if FULL else prompts, max_tokens=MAX_TOKENS, n_drafts=(1, 2, 3, 4, 5),
-                   repeats=REPEATS, ablate=(1, 4))
+report = bench.mtp(model, prompts[:1] if FULL else prompts, max_tokens=MAX_TOKENS,
+                   n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
 display(Markdown(inventory.markdown_table(
@@ -295,8 +298,9 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 
 # %%
 real = model if claims.is_real_model(model.config) else bench.real_width_model()
+seconds_per_pass = budget.BENCH["pass_budget_s"] if FULL or QUICK else 4.0
 real_passes = bench.real_width_passes(real, prompts[0], n_drafts=(2, 3),
-                                     budget=budget.BENCH["pass_budget_s"] if FULL or QUICK else 4.0)
+                                     budget=seconds_per_pass)
 if real is not model:
     del real  # 5 GB: not kept for the rest of the chapter
 display(Markdown(inventory.markdown_table(
@@ -429,8 +433,9 @@ glue("gain_verdict", "the trace is worth more than the overlap" if trace_gain > 
 
 # %%
 if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
-    versus = {"engines": {e: {"tokens_per_second": float("nan")} for e in ("qmtp", "mlx-lm")},
-              "ratio": float("nan"), "same_tokens": True}
+    nan = {"tokens_per_second": float("nan")}
+    versus = {"engines": {"qmtp": nan, "mlx-lm": nan}, "ratio": float("nan"),
+              "same_tokens": True}
     print("mlx-lm is not loaded at full size")
 else:
     versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)

@@ -27,21 +27,24 @@
 
 # %% tags=["hide-input"]
 import qmtp
+from IPython.display import Markdown
 from myst_nb import glue
 from qmtp.book import budget, inventory, machine, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
-saved = {chapter: results.load(chapter, path) for chapter in
-         ("01_anatomy", "02_fixes", "03_converting", "04_quantizing", "05_mtp_decoding", "06_throughput")}
+CHAPTERS = ("01_anatomy", "02_fixes", "03_converting", "04_quantizing",
+            "05_mtp_decoding", "06_throughput")
+saved = {chapter: results.load(chapter, path) for chapter in CHAPTERS}
 on_tiny = not budget.active(config)
-glue("model_kind", "the bundled tiny model" if on_tiny else "the full-size checkpoint", display=False)
-glue("machine", machine.line(saved["06_throughput"]["machine"]), display=False)
-glue("build_machine", machine.line(), display=False)  # this page runs in every build: the build's own machine
+glue("model_kind", "the bundled tiny model" if on_tiny else "the full-size checkpoint",
+     display=False)
+glue("machine", Markdown(machine.line(saved["06_throughput"]["machine"])), display=False)
+glue("build_machine", machine.line(), display=False)  # this build's own machine
 
 # %% [markdown]
-# The chapters ran on {glue:text}`model_kind`; the timings are from {glue:text}`machine`.
+# The chapters ran on {glue:text}`model_kind`; the timings are from {glue:md}`machine`.
 #
 # ## The real model, from its config
 #
@@ -62,7 +65,8 @@ best_n = max((n for n in predicted if n != "1"), key=predicted.get)
 glue("f_moe2", predicted["2"], display=False)
 glue("f_moe_best", predicted[best_n], display=False)
 glue("f_moe_best_n", best_n, display=False)
-glue("f_dense_best", max(throughput_saved["predicted_dense_4bit"].values()), display=False)
+glue("f_dense_best", max(throughput_saved["predicted_dense_4bit"].values()),
+     display=False)
 
 # %% [markdown]
 # 1. **Size.** {glue:text}`f_params:.1f` B parameters, {glue:text}`f_active:.2f` B of them used per token; with a
@@ -84,21 +88,23 @@ glue("f_dense_best", max(throughput_saved["predicted_dense_4bit"].values()), dis
 # directions and mechanisms, not the real model's values.*
 
 # %% tags=["hide-input"]
-fixes, converting, quantizing, decoding = (saved[c] for c in ("02_fixes", "03_converting", "04_quantizing",
-                                                              "05_mtp_decoding"))
+fixes, converting, quantizing, decoding = (saved[c] for c in CHAPTERS[1:5])
 glue("f_acc_both", fixes["accuracy"]["both fixes"], display=False)
 glue("f_acc_no_norm", fixes["accuracy"]["conv fix only"], display=False)
 glue("f_acc_twice", fixes["double_shift_accuracy"], display=False)
 conv = fixes["conv_mistake_accuracy"]
-silent = [a for a in conv.values() if a is not None and a != fixes["accuracy"]["both fixes"]]
+right = fixes["accuracy"]["both fixes"]
+silent = [a for a in conv.values() if a is not None and a != right]
 glue("f_conv_loud", sum(a is None for a in conv.values()), display=False)
-glue("f_conv_right", sum(a == fixes["accuracy"]["both fixes"] for a in conv.values()), display=False)
+glue("f_conv_right", sum(a == right for a in conv.values()), display=False)
 glue("f_conv_silent", len(silent), display=False)
-glue("f_conv_silent_acc", f"{min(silent):.3f} to {max(silent):.3f}" if silent else "none", display=False)
+silent_range = f"{min(silent):.3f} to {max(silent):.3f}" if silent else "none"
+glue("f_conv_silent_acc", silent_range, display=False)
 glue("f_conv_all", len(conv), display=False)
 glue("f_conv_bits", converting["bits"], display=False)
 glue("f_conv_top1", converting["top1_agreement"], display=False)
-glue("f_conv_equal", "identical" if converting["unquantized_equal"] else "NOT identical", display=False)
+equal = converting["unquantized_equal"]
+glue("f_conv_equal", "identical" if equal else "NOT identical", display=False)
 heads = quantizing["head_width_acceptance"]
 glue("f_head_acc_bf16", heads["bf16"], display=False)
 glue("f_head_acc_4", heads["4"], display=False)
@@ -109,7 +115,8 @@ glue("f_acc2", decoding["acceptance"]["2"], display=False)
 glue("f_tpp2", decoding["tokens_per_trunk_pass"]["2"], display=False)
 glue("f_pos2", decoding["per_position"]["3"][1], display=False)
 previous = decoding["previous_head"]
-glue("f_pos2_before", previous["previous head"]["3"]["per_position"][1] if previous else float("nan"), display=False)
+before = previous["previous head"]["3"]["per_position"][1] if previous else float("nan")
+glue("f_pos2_before", before, display=False)
 glue("f_lossless", decoding["lossless_checks"], display=False)
 glue("f_mismatches", decoding["lossless_mismatches"], display=False)
 glue("f_no_experts", decoding["ablation"]["no routed experts"], display=False)
@@ -156,8 +163,9 @@ glue("f_rw_plain_ms", rows["plain, 1 token"]["seconds"] * 1e3, display=False)
 glue("f_rw_v2_time", rows["verify, 2 tokens"]["time_over_plain"], display=False)
 glue("f_rw_v2_bytes", rows["verify, 2 tokens"]["bytes_over_plain"], display=False)
 glue("f_rw_break_even", throughput_saved["real_width_break_even"], display=False)
-glue("f_rw_verdict", "so drafting cannot pay here at the real widths, however good the head" if
-     throughput_saved["real_width_break_even"] >= 2 else "so drafting can pay here at the real widths", display=False)
+cannot = throughput_saved["real_width_break_even"] >= 2
+glue("f_rw_verdict", "so drafting cannot pay here at the real widths, however good the head"
+     if cannot else "so drafting can pay here at the real widths", display=False)
 
 # %% [markdown]
 # 10. **Tiny model, measured.** Drafting runs at {glue:text}`f_meas2:.2f`x plain decoding at `n_draft=2`, at best

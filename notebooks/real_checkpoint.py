@@ -64,7 +64,9 @@ glue("q4_gb", widths[-1]["disk GB"], display=False)
 glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
 glue("runtime_gb", budget.RUNTIME_GB, display=False)
 glue("fixes_loads", budget.FIXES_LOADS, display=False)
-glue("quant_conversions", len(budget.QUANT_TRUNK_WIDTHS) + len(budget.QUANT_HEAD_WIDTHS) + 1, display=False)
+# one conversion per trunk width, one per head width, and the 6-bit one of the fault
+conversions = len(budget.QUANT_TRUNK_WIDTHS) + len(budget.QUANT_HEAD_WIDTHS) + 1
+glue("quant_conversions", conversions, display=False)
 
 # %% [markdown]
 # ## Memory and disk at each width
@@ -74,8 +76,9 @@ glue("quant_conversions", len(budget.QUANT_TRUNK_WIDTHS) + len(budget.QUANT_HEAD
 # adds {glue:text}`runtime_gb:.0f` GiB for Python, MLX and the activations to decide what fits.
 
 # %% tags=["hide-input"]
-Markdown(inventory.markdown_table(widths, list(widths[0]), {"disk GB": "{:.1f}", "loaded GiB, float32": "{:.1f}",
-                                                           "loaded GiB, bf16": "{:.1f}"}))
+columns = ("disk GB", "loaded GiB, float32", "loaded GiB, bf16")
+one_decimal = {c: "{:.1f}" for c in columns}
+Markdown(inventory.markdown_table(widths, list(widths[0]), one_decimal))
 
 # %% [markdown]
 # The release itself ({glue:text}`release_f32:.0f` GiB in float32, {glue:text}`release_bf16:.0f` GiB in
@@ -96,23 +99,23 @@ Markdown(inventory.markdown_table(widths, list(widths[0]), {"disk GB": "{:.1f}",
 # %% tags=["hide-input"]
 seconds = budget.pass_seconds(throughput_saved["real_width"])
 plan = budget.chapters(seconds)
-display(Markdown(inventory.markdown_table(plan, list(plan[0]), {"memory GiB": "{:.1f}", "disk GB": "{:.1f}",
-                                                                "minutes": "{:.0f}"})))
+formats = {"memory GiB": "{:.1f}", "disk GB": "{:.1f}", "minutes": "{:.0f}"}
+display(Markdown(inventory.markdown_table(plan, list(plan[0]), formats)))
 peak = max(r["memory GiB"] for r in plan)
 glue("budget_layers", budget.LAYERS, display=False)
 glue("budget_bits", budget.BITS, display=False)
 glue("plan_minutes", sum(r["minutes"] for r in plan), display=False)
 glue("plan_peak", peak, display=False)
 glue("plan_disk", release["disk GB"] + sum(r["disk GB"] for r in plan), display=False)
-glue("plan_fits", " and ".join(f"{m} GB" for m in budget.MACHINES_GB if budget.fits(peak * 2**30, m)) or "neither",
-     display=False)
+fitting = [f"{m} GB" for m in budget.MACHINES_GB if budget.fits(peak * 2**30, m)]
+glue("plan_fits", " and ".join(fitting) or "neither", display=False)
 glue("measured_layers", seconds["measured_layers"], display=False)
 glue("measured_ms", seconds["first_layers"] * 1e3, display=False)
 glue("full_pass_s", seconds["full"], display=False)
 glue("head_draft_ms", seconds["head_draft"] * 1e3, display=False)
 glue("disk_rate", budget.DISK_GB_PER_S, display=False)
-glue("measured_on", "the real model itself" if throughput_saved["real_width_on_model"] else
-     "a stand-in with the release's widths and random weights", display=False)
+glue("measured_on", "the real model itself" if throughput_saved["real_width_on_model"]
+     else "a stand-in with the release's widths and random weights", display=False)
 
 # %% [markdown]
 # "memory GiB" is the largest set of weights the chapter holds at once, "disk GB" what it writes. Under the
@@ -146,4 +149,5 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 model = qmtp.load(budget.decoding_model(path))
 out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
 print(textwrap.fill(out.text, 78))
-print(f"acceptance {out.stats.acceptance_rate:.2f}, {out.stats.tokens_per_second:.1f} tokens/s")
+print(f"acceptance {out.stats.acceptance_rate:.2f}, "
+      f"{out.stats.tokens_per_second:.1f} tokens/s")

@@ -207,7 +207,7 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
 def _plans() -> dict[str, str]:
     return {
         "02_fixes": f"each variant is loaded with only the first {LAYERS} trunk layers and no head "
-                    f"(qmtp.load with layers={LAYERS}, head=False), measured on {FIXES_TEXTS} held-out "
+                    f"(`qmtp.load(path, layers={LAYERS}, head=False)`), measured on {FIXES_TEXTS} held-out "
                     f"text{'s' * (FIXES_TEXTS != 1)} in "
                     f"windows of {TEXT_TOKENS} tokens with {FIXES_TOKENS}-token continuations, instead of the whole "
                     f"model {FIXES_LOADS} times",
@@ -227,7 +227,7 @@ def _plans() -> dict[str, str]:
 
 
 def statement(chapter: str, config: ModelConfig) -> str:
-    """The chapter's budget in one sentence, and whether it applies to the model this build uses."""
+    """The chapter's budget in one sentence of Markdown, and whether it applies to the model this build uses."""
     where = ("it applies to this model, which has the release's widths" if active(config) else
              "it does not apply to this model, so everything below runs as written")
-    return f"With QMTP_MODEL at the full-size release, {_plans()[chapter]}: {where}."
+    return f"With `QMTP_MODEL` at the full-size release, {_plans()[chapter]}: {where}."
