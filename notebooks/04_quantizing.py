@@ -160,6 +160,8 @@ Markdown(inventory.markdown_table(constant_rows, list(constant_rows[0])))
 texts = evaluate.heldout_texts(2)
 prompts = evaluate.heldout_prompts(model, 2)
 if FULL:  # each width rounded in memory, first layers only (so no acceptance)
+    del model  # the one layer read above: one model at a time
+    mx.clear_cache()
     nan = float("nan")
     rounded = quality.by_trunk_width_in_memory(
         lambda: qmtp.load(path, layers=budget.LAYERS, head=False),
@@ -169,7 +171,6 @@ if FULL:  # each width rounded in memory, first layers only (so no acceptance)
     trunk = {b: {**m, "trunk_bytes": sizes.sizes(config, bits=b).trunk_bytes,
                  "acceptance_n_draft_2": nan} for b, m in rounded.items()}
     source_acceptance = nan
-    del model
     model = qmtp.load(budget.decoding_model(path))  # chapter 3's conversion
     prompts = prompts[:budget.DECODE["prompts"]]
 else:

@@ -46,7 +46,7 @@ def test_every_budgeted_chapter_fits_the_smaller_machine():
     plan = budget.chapters(seconds)
     assert [r["chapter"][0] for r in plan] == list("1234567")
     smallest = min(budget.MACHINES_GB)
-    assert all(budget.fits(r["memory GiB"] * 2**30, smallest) for r in plan)
+    assert all(budget.fits(r["memory GiB"] * 2**30, smallest, runtime=False) for r in plan)
     assert all(r["minutes"] >= 0 for r in plan) and sum(r["minutes"] for r in plan) > 0
 
 
@@ -54,7 +54,9 @@ def test_pass_seconds_scales_the_measured_pass_by_bytes():
     rows = [{"pass": "plain, 1 token", "seconds": 1.0, "bytes": 1e9}, {"pass": "head draft", "seconds": 0.5,
                                                                          "bytes": 5e8}]
     seconds = budget.pass_seconds({"rows": rows, "layers": 4})
-    assert seconds["first_layers"] == 1.0 and seconds["head_draft"] == 0.5 and seconds["full"] > 1.0
+    assert seconds["head_draft"] == 0.5
+    # the same seconds per byte for both: the whole model's pass reads several times the first layers'
+    assert 3 < seconds["full"] / seconds["first_layers"] < budget.LAYERS * 40 / budget.LAYERS
 
 
 def test_round_trunk_rounds_matrices_only(tiny):

@@ -70,13 +70,24 @@ def norm_weights(path, **load_options) -> dict[str, list[float]]:
 def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30, length: int = 128) -> dict:
     """Run one variant: held-out accuracy and perplexity (windows of `length` tokens) and a greedy continuation,
     or MLX's refusal."""
+    import gc
+
+    import mlx.core as mx
+
     from .evaluate import text_metrics
     from ..speculative import generate
 
+    model = None
     try:
         model = make_model()
         metrics = text_metrics(model, texts, length=length)
         continuation = generate(model, prompt, max_tokens=max_tokens).text
     except ValueError as err:  # MLX refuses a kernel of the wrong shape
         return {"runs": False, "error": str(err).splitlines()[0]}
+    finally:
+        # The next variant's load checks the memory there is: MLX's cache of this model's freed buffers would
+        # still count against it (at full size, a whole second model)
+        del model
+        gc.collect()
+        mx.clear_cache()
     return {"runs": True, "accuracy": metrics.accuracy, "perplexity": metrics.perplexity, "continuation": continuation}

@@ -9,6 +9,7 @@ quantized kernel multiplies by, without writing a file (`qmtp.book.budget`).
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import warnings
 from pathlib import Path
@@ -69,6 +70,7 @@ def round_trunk(model, bits: int, group_size: int = 64, router_bits: int = 8):
         mx.eval(rounded)
         del w
         model.update(tree_unflatten([(name, rounded)]))
+        mx.clear_cache()  # the replaced tensor and the quantizer's temporaries
     return model
 
 
@@ -84,5 +86,6 @@ def by_trunk_width_in_memory(make_model, texts, widths=(8, 6, 4, 3, 2), group_si
         metrics = text_metrics(model, texts, length=length)
         out[bits] = {"accuracy": metrics.accuracy, "perplexity": metrics.perplexity}
         del model
-        mx.clear_cache()
+        gc.collect()
+        mx.clear_cache()  # the next width's load checks the memory there is: freed buffers must be returned
     return out
