@@ -56,7 +56,7 @@ from qmtp.book import budget, evaluate, inventory, machine, plots, results, widg
 
 path = inventory.model_path()
 print(inventory.describe(path))
-print(textwrap.fill("Timed on: " + machine.line(), 78))
+print(textwrap.fill("Timed on: " + machine.line(), 72))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
 glue("budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False)

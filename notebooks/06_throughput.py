@@ -86,7 +86,7 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 # verify pass read.
 
 # %%
-print(textwrap.fill("Timed on: " + machine.line(), 78))
+print(textwrap.fill("Timed on: " + machine.line(), 72))
 report = bench.mtp(model, prompts[:1] if FULL else prompts, max_tokens=MAX_TOKENS,
                    n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
 by_n = {r["n_draft"]: r for r in report["results"]}

@@ -54,7 +54,7 @@ from qmtp.book import budget, inventory, machine, results
 path = inventory.model_path()
 print(inventory.describe(path))
 throughput_saved = results.load("06_throughput", path)
-print(textwrap.fill("Timed on: " + machine.line(throughput_saved["machine"]), 78))
+print(textwrap.fill("Timed on: " + machine.line(throughput_saved["machine"]), 72))
 widths = budget.widths_table()
 release = widths[0]
 glue("release_gb", release["disk GB"], display=False)
@@ -151,6 +151,6 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # %%
 model = qmtp.load(budget.decoding_model(path))
 out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
-print(textwrap.fill(out.text, 78))
+print(textwrap.fill(out.text, 72))
 print(f"acceptance {out.stats.acceptance_rate:.2f}, "
       f"{out.stats.tokens_per_second:.1f} tokens/s")
