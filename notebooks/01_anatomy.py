@@ -123,6 +123,8 @@ glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
 saved = results.save("01_anatomy", path, {
     "trunk_gb": {row["trunk bits"]: row["trunk GB"] for row in variant_rows},
     "head_gb": {("bf16" if w is None else str(w)): gb for w, gb in head_sizes.items()},
+    "real_parameters_b": real_counts["total"] / 1e9,
+    "real_active_b": real_counts["active"] / 1e9,
 })
 
 # %% [markdown]

@@ -36,6 +36,8 @@
 # short continuation each time; every number is measured in this run. The chapter's run time in this build is
 # in the {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -46,12 +48,19 @@ import matplotlib.pyplot as plt
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp.book import evaluate, inventory, mistakes, results
+from qmtp.book import budget, evaluate, inventory, mistakes, results
 
 warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
 path = inventory.model_path()
 print(inventory.describe(path))
-texts = evaluate.heldout_texts(8)
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release: see qmtp.book.budget
+load_options = dict(layers=budget.LAYERS, head=False) if FULL else {}
+texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(8)
+measure = {}
+if FULL:
+    measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
+glue("budget_note", Markdown(budget.statement("02_fixes", config)), display=False)
 prompt = "Once upon a time, a little fox named"
 
 # %% [markdown]
@@ -99,7 +108,8 @@ prompt = "Once upon a time, a little fox named"
 variants = {"neither fix": (), "conv fix only": ("conv",), "norm fix only": ("norm",), "both fixes": ("norm", "conv")}
 rows = []
 for label, fixes in variants.items():
-    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f), texts, prompt)
+    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
+                              texts, prompt, **measure)
     rows.append({"load": label, **result})
 
 
@@ -134,7 +144,7 @@ glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
 # every normalised activation is scaled nearly to nothing.
 
 # %%
-weights = mistakes.norm_weights(path)
+weights = mistakes.norm_weights(path, **load_options)
 fig, axes = plt.subplots(1, 2, figsize=(8, 2.8), sharey=True)
 axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
 axes[0].set_title("stored w")
@@ -151,7 +161,9 @@ fig.tight_layout()
 # is what a second shift would do.
 
 # %%
-shifts = {label: mistakes.outcome(lambda s=label: mistakes.with_norm_shift(path, s), texts, prompt)
+shifts = {label: mistakes.outcome(
+              lambda s=label: mistakes.with_norm_shift(path, s, **load_options),
+              texts, prompt, **measure)
           for label in mistakes.NORM_SHIFTS}
 shift_rows = [{"norm weights": label, **show(result)} for label, result in shifts.items()]
 Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perplexity", "what happens"]))
@@ -164,9 +176,12 @@ Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perp
 # writes nonsense.
 
 # %%
-conv_rows = []
+conv_rows, conv_runs = [], {}
 for label in mistakes.CONV_MISTAKES:
-    result = mistakes.outcome(lambda m=label: mistakes.with_conv_mistake(path, m), texts, prompt)
+    result = mistakes.outcome(
+        lambda m=label: mistakes.with_conv_mistake(path, m, **load_options),
+        texts, prompt, **measure)
+    conv_runs[label] = result
     conv_rows.append({"conversion": label, **show(result), "loud": "loud" if not result["runs"] else "silent or fine"})
 Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]))
 
@@ -180,6 +195,9 @@ saved = results.save("02_fixes", path, {
     "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
     "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
     "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
+    "conv_mistake_accuracy": {label: r["accuracy"] if r["runs"] else None
+                              for label, r in conv_runs.items()},
+    "layers": budget.LAYERS if FULL else config.num_hidden_layers,
 })
 
 # %% [markdown]

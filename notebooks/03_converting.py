@@ -35,6 +35,8 @@
 # mlx-lm; the benchmark of a multi-gigabyte conversion is described but not run. The chapter's run time in
 # this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the page
 # gives this notebook, to run it yourself.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -49,15 +51,24 @@ import qmtp
 from IPython.display import Markdown
 from mlx.utils import tree_flatten, tree_map
 from myst_nb import glue
-from qmtp.book import evaluate, inventory
+from qmtp.book import budget, evaluate, inventory, results
 from qmtp.convert import convert
 
 path = inventory.model_path()
 print(inventory.describe(path))
 workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter3-"))
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+load_options = dict(layers=budget.LAYERS) if FULL else {}
+glue("budget_note", Markdown(budget.statement("03_converting", config)), display=False)
 
 # %%
-result = convert(path, workdir / "q8", bits=8, progress=False)
+if FULL:  # one conversion, kept for chapters 4 to 6 (made here, or found again)
+    target = budget.decoding_model(path)
+    result = f"the {budget.BITS}-bit conversion in {target}"
+else:
+    target = workdir / "q8"
+    result = convert(path, target, bits=8, progress=False)
 print(result)
 
 # %% [markdown]
@@ -69,7 +80,7 @@ print(result)
 # packed codes, one scale and one bias per group.
 
 # %%
-source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(workdir / "q8")
+source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(target)
 
 
 def listing(ckpt, prefix):
@@ -99,7 +110,7 @@ Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in sum
 
 # %%
 try:
-    convert(workdir / "q8", workdir / "again", bits=8, progress=False)
+    convert(target, workdir / "again", bits=8, progress=False)
 except qmtp.QmtpError as err:
     print(textwrap.fill(f"refused: {err}", 80))
 
@@ -115,14 +126,18 @@ except qmtp.QmtpError as err:
 # %%
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    original, roundtrip = qmtp.load(path), qmtp.load(workdir / "q8")
+    original = qmtp.load(path, **load_options)
+    roundtrip = qmtp.load(target, **load_options)
 texts = evaluate.heldout_texts(3)
+if FULL:
+    texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
 close = evaluate.logit_agreement(roundtrip, original, texts)
 converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(tree_flatten(original.parameters()))
 quantized = {n.rsplit(".", 1)[0] for n in converted_params if n.endswith(".scales")}
 unquantized = [n for n in converted_params if n.rsplit(".", 1)[0] not in quantized]
 unquantized_equal = all(mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized)
 head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
+glue("check_bits", budget.BITS if FULL else 8, display=False)
 glue("q8_top1", close["top1_agreement"], display=False)
 glue("q8_relerr", close["max_relative_error"], display=False)
 print(f"{len(unquantized)} unquantized tensors, all identical to the source's: {unquantized_equal}; "
@@ -131,7 +146,7 @@ print("against the source:", ", ".join(f"{k} {v:.4g}" for k, v in close.items())
 assert unquantized_equal and head_complete
 
 # %% [markdown]
-# The 8-bit model picks the same next token as the bf16 source on {glue:text}`q8_top1:.3f` of the
+# The {glue:text}`check_bits`-bit model picks the same next token as the bf16 source on {glue:text}`q8_top1:.3f` of the
 # positions (largest relative logit difference {glue:text}`q8_relerr:.3f`).
 #
 # ## mlx-lm reads the same file, and drops the head
@@ -142,21 +157,36 @@ assert unquantized_equal and head_complete
 # %%
 from mlx_lm.utils import load_model
 
-reference, _ = load_model(workdir / "q8")
-# MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must
-# too
-reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p, reference.parameters()))
-names = [n for n, _ in tree_flatten(reference.parameters())]
-same = evaluate.logit_agreement(roundtrip, reference, texts)
-glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
-glue("mlxlm_relerr", same["max_relative_error"], display=False)
-print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}")
-print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
+if FULL:  # a second whole model in memory: left out at full size (qmtp.book.budget)
+    glue("mlxlm_mtp_tensors", float("nan"), display=False)
+    glue("mlxlm_relerr", float("nan"), display=False)
+    print("mlx-lm is not loaded at full size")
+else:
+    reference, _ = load_model(target)
+    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must
+    # too
+    reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
+                              reference.parameters()))
+    names = [n for n, _ in tree_flatten(reference.parameters())]
+    same = evaluate.logit_agreement(roundtrip, reference, texts)
+    glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
+    glue("mlxlm_relerr", same["max_relative_error"], display=False)
+    print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}")
+    print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 
 # %% [markdown]
 # mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from
 # qmtp's on the same file by at most {glue:text}`mlxlm_relerr:.1e` relative: the same trunk, without the
 # head that drafts.
+
+# %%
+saved = results.save("03_converting", path, {
+    "bits": budget.BITS if FULL else 8,
+    "top1_agreement": close["top1_agreement"],
+    "max_relative_error": close["max_relative_error"],
+    "unquantized_equal": bool(unquantized_equal),
+    "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
+})
 
 # %% [markdown]
 # ## How this converter differs from the seed's

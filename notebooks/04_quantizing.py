@@ -34,6 +34,8 @@
 # head separately, and evaluated; the backend self-check runs, once healthy and once with a simulated fault.
 # The chapter's run time in this build is in the {doc}`execution table <../book/execution>`; the download
 # button at the top of the page gives this notebook, to run it yourself.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %% tags=["hide-input"]
@@ -47,14 +49,18 @@ import numpy as np
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp import quant, sizes
-from qmtp.book import evaluate, inventory, plots, quality, results
+from qmtp import mtp, quant, sizes
+from qmtp.book import budget, evaluate, inventory, machine, plots, quality, results
 from qmtp.convert import convert
 
 warnings.simplefilter("ignore", UserWarning)
 path = inventory.model_path()
 print(inventory.describe(path))
-model = qmtp.load(path)
+print(textwrap.fill("Timed on: " + machine.line(), 72))
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("04_quantizing", config)), display=False)
+model = qmtp.load(path, layers=1, head=False) if FULL else qmtp.load(path)
 weight = np.array(model.layers[0].mlp.experts.gate_proj.weight[0].astype(mx.float32))  # one expert's [I, H]
 
 # %% [markdown]
@@ -153,10 +159,27 @@ Markdown(inventory.markdown_table(constant_rows, list(constant_rows[0])))
 # %%
 texts = evaluate.heldout_texts(2)
 prompts = evaluate.heldout_prompts(model, 2)
-trunk = quality.by_trunk_width(path, texts, prompts, widths=(8, 6, 4, 3, 2))
-reference = evaluate.text_metrics(model, texts)
-table = [{"trunk bits": "bf16 (source)", "trunk MB": sizes.sizes(model.config, bits=sizes.UNQUANTIZED).trunk_bytes / 1e6,
-          "perplexity": reference.perplexity, "acceptance": evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)["rate"]}]
+if FULL:  # each width rounded in memory, first layers only (so no acceptance)
+    del model  # the one layer read above: one model at a time
+    mx.clear_cache()
+    nan = float("nan")
+    rounded = quality.by_trunk_width_in_memory(
+        lambda: qmtp.load(path, layers=budget.LAYERS, head=False),
+        texts[:budget.FIXES_TEXTS], budget.QUANT_TRUNK_WIDTHS,
+        length=budget.TEXT_TOKENS)
+    source_row = rounded.pop("bf16")
+    trunk = {b: {**m, "trunk_bytes": sizes.sizes(config, bits=b).trunk_bytes,
+                 "acceptance_n_draft_2": nan} for b, m in rounded.items()}
+    source_acceptance = nan
+    model = qmtp.load(budget.decoding_model(path))  # chapter 3's conversion
+    prompts = prompts[:budget.DECODE["prompts"]]
+else:
+    trunk = quality.by_trunk_width(path, texts, prompts, widths=(8, 6, 4, 3, 2))
+    source_row = {"perplexity": evaluate.text_metrics(model, texts).perplexity}
+    source_acceptance = evaluate.acceptance(model, prompts, n_draft=2, max_tokens=40)["rate"]
+source_mb = sizes.sizes(config, bits=sizes.UNQUANTIZED).trunk_bytes / 1e6
+table = [{"trunk bits": "bf16 (source)", "trunk MB": source_mb,
+          "perplexity": source_row["perplexity"], "acceptance": source_acceptance}]
 table += [{"trunk bits": b, "trunk MB": m["trunk_bytes"] / 1e6, "perplexity": m["perplexity"],
            "acceptance": m["acceptance_n_draft_2"]} for b, m in trunk.items()]
 Markdown(inventory.markdown_table(table, list(table[0]), {"trunk MB": "{:.2f}", "perplexity": "{:.2f}", "acceptance": "{:.3f}"}))
@@ -171,7 +194,17 @@ fig = plots.width_curves(trunk, "trunk bits")
 # only useful while they agree with the trunk, so what matters is acceptance ({numref}`fig-head-widths`).
 
 # %%
-head = quality.by_head_width(path, texts, prompts, widths=(None, 8, 6, 4, 3))
+if FULL:  # the head of chapter 3's conversion, rounded in memory at each width
+    head = {}
+    for w in budget.QUANT_HEAD_WIDTHS:
+        rounded_head = {} if w is None else {"head": mtp.with_weight_bits(model.mtp, w)}
+        accepted = evaluate.acceptance(model, prompts, n_draft=2, **rounded_head,
+                                       max_tokens=budget.DECODE["max_tokens"])
+        head["bf16" if w is None else w] = {
+            "head_bytes": sizes.sizes(config, bits=budget.BITS, mtp_bits=w).head_bytes,
+            "perplexity": float("nan"), "acceptance_n_draft_2": accepted["rate"]}
+else:
+    head = quality.by_head_width(path, texts, prompts, widths=(None, 8, 6, 4, 3))
 Markdown(inventory.markdown_table(
     [{"head": w, "head MB": m["head_bytes"] / 1e6, "acceptance": m["acceptance_n_draft_2"]} for w, m in head.items()],
     ["head", "head MB", "acceptance"], {"head MB": "{:.2f}", "acceptance": "{:.3f}"}))
@@ -209,23 +242,29 @@ print(quant.report(backend))
 
 # %%
 workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter4-"))
-convert(path, workdir / "q6", bits=6, progress=False)
-six = qmtp.load(workdir / "q6")
 prompt = "Once upon a time, a little fox named"
-print(textwrap.fill("healthy 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
+six = None
+if not FULL:  # at full size a 6-bit conversion costs tens of GB: the check alone
+    convert(path, workdir / "q6", bits=6, progress=False)
+    six = qmtp.load(workdir / "q6")
+    print(textwrap.fill("healthy 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
 with quant.simulated_fault(6):
     faulty_backend = quant.check_backend()
     print(quant.report(faulty_backend))
-    print(textwrap.fill("faulty 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
+    if six is not None:
+        print(textwrap.fill("faulty 6-bit: " + repr(qmtp.generate(six, prompt, max_tokens=24).text), 80))
 
 # %%
 saved = results.save("04_quantizing", path, {
     "head_width_acceptance": {str(w): m["acceptance_n_draft_2"] for w, m in head.items()},
     "head_bf16_over_4bit_mb": (head["bf16"]["head_bytes"] - head[4]["head_bytes"]) / 1e6,
     "trunk_width_perplexity": {str(b): m["perplexity"] for b, m in trunk.items()},
+    "trunk_width_acceptance": {str(b): m["acceptance_n_draft_2"]
+                               for b, m in trunk.items()},
     "backend_faulty_widths": [c.bits for c in backend if not c.ok],
     "simulated_fault_flagged": [c.bits for c in faulty_backend if not c.ok],
     "mlx_version": mx.__version__,
+    "machine": machine.describe(),
 })
 
 # %% [markdown]

@@ -41,20 +41,31 @@
 # rate is counted in this run. The chapter's run time in this build is in the
 # {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %%
+import textwrap
+
 import qmtp
+from IPython.display import Markdown
 from myst_nb import glue
 from qmtp import mtp
-from qmtp.book import evaluate, inventory, plots, results, widgets
+from qmtp.book import budget, evaluate, inventory, machine, plots, results, widgets
 
 path = inventory.model_path()
 print(inventory.describe(path))
-model = qmtp.load(path)
+print(textwrap.fill("Timed on: " + machine.line(), 72))
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False)
+model = qmtp.load(budget.decoding_model(path))
 texts = evaluate.heldout_by_register(2)
-prompts = evaluate.heldout_prompts(model, 2)
-MAX_TOKENS = 40
+ONLY = budget.DECODE["prompts"] if FULL else None  # prompts used: all, or the budget's
+prompts = evaluate.heldout_prompts(model, 2)[:ONLY]
+MAX_TOKENS = budget.DECODE["max_tokens"] if FULL else 40
+N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 
 # %% [markdown]
 # ## One step, in the code
@@ -104,7 +115,8 @@ MAX_TOKENS = 40
 # rejected, and the token the trunk adds itself.
 
 # %%
-example = qmtp.generate(model, "Once upon a time, a little fox named", max_tokens=36, n_draft=3)
+example = qmtp.generate(model, "Once upon a time, a little fox named",
+                        max_tokens=MAX_TOKENS if FULL else 36, n_draft=3)
 fig = plots.speculative_steps(example, model.tokenizer)
 
 # %% [markdown]
@@ -117,8 +129,10 @@ fig = plots.speculative_steps(example, model.tokenizer)
 mismatches = 0
 for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
-    mismatches += sum(qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain for n in range(2, 6))
-glue("lossless_checks", 4 * len(prompts), display=False)
+    mismatches += sum(
+        qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
+        for n in N_DRAFTS)
+glue("lossless_checks", len(N_DRAFTS) * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
 assert mismatches == 0
 
@@ -132,18 +146,20 @@ assert mismatches == 0
 # counted over those occasions.
 
 # %%
-by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS) for n in range(2, 6)}
+by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
+        for n in N_DRAFTS}
 fig = plots.acceptance_by_position(by_n)
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
 glue("tpp_n2", by_n[2]["tokens_per_trunk_pass"], display=False)
-glue("tpp_n5", by_n[5]["tokens_per_trunk_pass"], display=False)
+glue("tpp_n5", by_n[N_DRAFTS[-1]]["tokens_per_trunk_pass"], display=False)
+glue("n_wide", N_DRAFTS[-1], display=False)
 
 # %% [markdown]
 # At `n_draft=2` the trunk accepts {glue:text}`acc_n2:.2f` of the head's drafts, so each trunk pass
 # yields {glue:text}`tpp_n2:.2f` tokens; a second draft, made from the head's own output rather than a
-# trunk state, is accepted {glue:text}`acc_n3_second:.2f` of the times it is proposed. At `n_draft=5` a
-# pass yields {glue:text}`tpp_n5:.2f` tokens.
+# trunk state, is accepted {glue:text}`acc_n3_second:.2f` of the times it is proposed. At `n_draft` =
+# {glue:text}`n_wide` a pass yields {glue:text}`tpp_n5:.2f` tokens.
 #
 # ## A head trained on its own drafts
 #
@@ -199,7 +215,9 @@ for name, value in head_glue.items():
 # %%
 per_register = {}
 for register, docs in texts.items():
-    per_register[register] = evaluate.acceptance(model, evaluate.prompts_from(docs, model), n_draft=2, max_tokens=MAX_TOKENS)["rate"]
+    register_prompts = evaluate.prompts_from(docs, model)[:ONLY]
+    per_register[register] = evaluate.acceptance(model, register_prompts, n_draft=2,
+                                                 max_tokens=MAX_TOKENS)["rate"]
 fig = plots.bars(list(per_register), list(per_register.values()), "acceptance at n_draft=2")
 
 # %% [markdown]
@@ -218,6 +236,9 @@ variants = {
     "head weights 3-bit": dict(head=mtp.with_weight_bits(model.mtp, 3)),
     "pre-norm hidden state": dict(hidden="pre"),
 }
+if FULL:
+    variants = {label: options for label, options in variants.items()
+                if label in budget.DECODE["ablations"]}
 ablation = {label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options)["rate"]
             for label, options in variants.items()}
 glue("acc_no_experts", ablation["no routed experts"], display=False)
@@ -245,6 +266,8 @@ saved = results.save("05_mtp_decoding", path, {
     "ablation": ablation,
     "per_register": per_register,
     "lossless_mismatches": mismatches,
+    "lossless_checks": len(N_DRAFTS) * len(prompts),
+    "machine": machine.describe(),
     "previous_head": None if compared is None else {
         label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
 })

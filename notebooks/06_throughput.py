@@ -40,6 +40,8 @@
 # decoding speeds are measured in this run (timings vary with the machine and its load). The chapter's run
 # time in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of
 # the page gives this notebook.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
 # %%
@@ -48,17 +50,25 @@ import os
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import bench, claims, evaluate, inventory, plots, results, throughput
+import textwrap
+
+from qmtp.book import (bench, budget, claims, evaluate, inventory, machine, plots,
+                       results, throughput)
 from qmtp.book.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
 
 path = inventory.model_path()
 print(inventory.describe(path))
-model = qmtp.load(path)
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("06_throughput", config)), display=False)
+model = qmtp.load(budget.decoding_model(path))
 QUICK = os.environ.get("QMTP_QUICK") == "1"
 prompts = evaluate.heldout_prompts(model, 1)
 MAX_TOKENS, REPEATS = (16, 1) if QUICK else (32, 3)
+if FULL:
+    MAX_TOKENS, REPEATS = budget.BENCH["max_tokens"], budget.BENCH["repeats"]
 E, k = model.config.num_experts, model.config.num_experts_per_tok
 
 # %% [markdown]
@@ -76,7 +86,9 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 # verify pass read.
 
 # %%
-report = bench.mtp(model, prompts, max_tokens=MAX_TOKENS, n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
+print(textwrap.fill("Timed on: " + machine.line(), 72))
+report = bench.mtp(model, prompts[:1] if FULL else prompts, max_tokens=MAX_TOKENS,
+                   n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
 display(Markdown(inventory.markdown_table(
@@ -286,7 +298,9 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 
 # %%
 real = model if claims.is_real_model(model.config) else bench.real_width_model()
-real_passes = bench.real_width_passes(real, prompts[0], n_drafts=(2, 3), budget=2.0 if QUICK else 4.0)
+seconds_per_pass = budget.BENCH["pass_budget_s"] if FULL or QUICK else 4.0
+real_passes = bench.real_width_passes(real, prompts[0], n_drafts=(2, 3),
+                                     budget=seconds_per_pass)
 if real is not model:
     del real  # 5 GB: not kept for the rest of the chapter
 display(Markdown(inventory.markdown_table(
@@ -418,8 +432,14 @@ glue("gain_verdict", "the trace is worth more than the overlap" if trace_gain > 
 # runs the same comparison on a synthetic model of the real layer widths).
 
 # %%
-versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
-print(bench.decode_table(versus))
+if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
+    nan = {"tokens_per_second": float("nan")}
+    versus = {"engines": {"qmtp": nan, "mlx-lm": nan}, "ratio": float("nan"),
+              "same_tokens": True}
+    print("mlx-lm is not loaded at full size")
+else:
+    versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
+    print(bench.decode_table(versus))
 glue("qmtp_tps", versus["engines"]["qmtp"]["tokens_per_second"], display=False)
 glue("mlx_lm_tps", versus["engines"]["mlx-lm"]["tokens_per_second"], display=False)
 glue("qmtp_ratio", versus["ratio"], display=False)
@@ -444,6 +464,15 @@ saved = results.save("06_throughput", path, {
     "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
     "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},
     "qmtp_over_mlx_lm": versus["ratio"],
+    "plain_tokens_per_second": by_n[1]["tokens_per_second"],
+    "auto_over_best_fixed": auto["over_best_fixed"],
+    "real_gb_per_token": one_token / 1e9,
+    "real_expert_share": passes["1 token"]["routed experts"] / one_token,
+    "bandwidth_gb_s": BANDWIDTH / throughput.GB,
+    "real_width": real_passes,
+    "real_width_break_even": real_break_even,
+    "real_width_on_model": claims.is_real_model(model.config),
+    "machine": machine.describe(),
 })
 
 # %% [markdown]

@@ -158,6 +158,18 @@ FULL = synthetic.PRESETS["qwen3.6-35b-a3b"]["config"]
 FULL_SIZE_CHAT_BYTES = int(21.5 * 2**30)
 
 
+@pytest.fixture(scope="module")
+def full_source(workdir):
+    """The full-size sparse synthetic checkpoint (made once for this module's tests, removed after them)."""
+    need = synthetic.stored_bytes(FULL, sparse=True)
+    free = shutil.disk_usage(workdir).free
+    if free < need + 5e9:
+        pytest.skip(f"{workdir}: the full-size sparse source needs about {need / 1e9:.0f} GB of disk, "
+                    f"{free / 1e9:.0f} GB are free")
+    yield synthetic.write_preset(workdir / "full", "qwen3.6-35b-a3b", sparse=True, progress=False)
+    shutil.rmtree(workdir / "full", ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_full_size_end_to_end(workdir):
     need_disk = synthetic.stored_bytes(FULL, sparse=True) + 25e9  # the 4-bit output is about 21 GB
@@ -175,12 +187,65 @@ def test_full_size_end_to_end(workdir):
     if room < FULL_SIZE_CHAT_BYTES:
         pytest.skip(f"chatting with the 4-bit full-size model needs about {FULL_SIZE_CHAT_BYTES / 2**30:.1f} GiB "
                     f"of memory; this machine leaves {room / 2**30:.1f} GiB")
-    source = synthetic.write_preset(workdir / "full", "qwen3.6-35b-a3b", sparse=True, progress=False)
+    source = synthetic.write_preset(workdir / "full-e2e", "qwen3.6-35b-a3b", sparse=True, progress=False)
     try:
         print(end_to_end(source, workdir / "full-q4"))
     finally:
-        shutil.rmtree(workdir / "full", ignore_errors=True)
+        shutil.rmtree(workdir / "full-e2e", ignore_errors=True)
         shutil.rmtree(workdir / "full-q4", ignore_errors=True)
+
+
+# Chapters 2, 3 and 4 at full size, as the budget of the real-checkpoint page has them (qmtp.book.budget): every
+# model they load is the first budget.LAYERS trunk layers, in float32, without the head. The same calls as the
+# chapters, on the release's names and widths, in a fresh process whose peak resident memory is measured.
+BUDGETED = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import qmtp
+from qmtp.book import budget, evaluate, mistakes, quality
+path = sys.argv[1]
+assert budget.active(qmtp.ModelConfig.from_file(path))
+opts = dict(layers=budget.LAYERS, head=False)
+texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
+measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
+prompt = "Once upon a time"
+# chapter 2: a load without the norm fix, a conv mistake MLX refuses, the +1 applied twice
+assert mistakes.outcome(lambda: qmtp.load(path, fixes=("conv",), **opts), texts, prompt, **measure)["runs"]
+assert not mistakes.outcome(lambda: mistakes.with_conv_mistake(path, "left as stored, [C, 1, K]", **opts), texts,
+                            prompt, **measure)["runs"]
+assert mistakes.outcome(lambda: mistakes.with_norm_shift(path, "shifted twice (2 + w), a re-conversion", **opts),
+                        texts, prompt, **measure)["runs"]
+# chapter 4: a trunk width rounded in memory on the first layers (chapter 3 loads the same first layers)
+widths = quality.by_trunk_width_in_memory(lambda: qmtp.load(path, **opts), texts, (4,), length=budget.TEXT_TOKENS)
+assert set(widths) == {"bf16", 4}, widths
+"""
+
+
+@pytest.mark.slow
+def test_budgeted_chapters_fit_the_memory_the_page_states(full_source):
+    from qmtp.book import budget
+    from qmtp.sizes import UNQUANTIZED
+
+    stated = budget.memory_bytes(budget.first_layers(FULL), UNQUANTIZED, head=False)
+    allowed = stated + budget.RUNTIME_GB * 2**30
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    room = min(memory.room().values())
+    if room < allowed:  # measured: 20.3 GiB peak for 16.3 GiB of weights (471 s here, 2026-12-04)
+        pytest.skip(f"the budgeted chapters need about {allowed / 2**30:.1f} GiB; this machine leaves "
+                    f"{room / 2**30:.1f}")
+    started = time.perf_counter()
+    done = subprocess.run([PYTHON, "-c", MEASURE, PYTHON, "-c", BUDGETED, str(full_source)], capture_output=True,
+                          text=True, timeout=3600)
+    code, peak = map(int, done.stdout.split()[-2:])
+    assert done.returncode == 0 and code == 0, done.stderr[-1500:]
+    print(f"budgeted chapters 2-4: peak {peak / 2**30:.1f} GiB (weights stated {stated / 2**30:.1f} GiB, "
+          f"allowed {allowed / 2**30:.1f}), {time.perf_counter() - started:.0f} s")
+    assert peak <= allowed, f"peak RSS {peak / 2**30:.1f} GiB over the {allowed / 2**30:.1f} GiB the page states"
 
 
 def test_a_model_stored_in_bfloat16_for_lack_of_memory_computes_in_float32(monkeypatch):

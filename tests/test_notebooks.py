@@ -9,6 +9,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+# Pages that read what the chapters saved (qmtp.book.results) in the same build, though shown before them
+READERS = ("findings", "real_checkpoint")
+PAGES = sorted((ROOT / "notebooks").glob("*.py"))
 
 
 def toc_files():
@@ -23,7 +26,7 @@ def test_there_are_chapters():
     assert CHAPTERS
 
 
-@pytest.mark.parametrize("script", CHAPTERS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", PAGES, ids=lambda p: p.stem)
 def test_pair_in_step_and_without_outputs(script):
     paired = script.with_suffix(".ipynb")
     assert paired.exists(), f"{paired.name} missing: run jupytext --to ipynb {script.relative_to(ROOT)}"
@@ -36,12 +39,24 @@ def test_pair_in_step_and_without_outputs(script):
             assert not cell.outputs and cell.execution_count is None, f"{paired.name} is committed with outputs"
 
 
-@pytest.mark.parametrize("script", CHAPTERS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", PAGES, ids=lambda p: p.stem)
 def test_chapter_in_toc(script):
     assert f"notebooks/{script.stem}" in toc_files()
 
 
 def test_first_code_cell_imports_qmtp_and_names_the_model():
-    for script in CHAPTERS:
+    for script in PAGES:
         first = next(c for c in jupytext.read(script).cells if c.cell_type == "code")
         assert "import qmtp" in first.source and "describe(" in first.source, script.name
+
+
+def test_pages_that_read_the_chapters_run_after_them():
+    """Sphinx reads, and myst-nb executes, documents in sorted docname order whatever _toc.yml shows first: a page
+    that reads the chapters' saved results must sort after every chapter, and run in every build (force)."""
+    chapters = [f"notebooks/{c.stem}" for c in CHAPTERS]
+    for reader in READERS:
+        docname = f"notebooks/{reader}"
+        assert docname in toc_files() and all(docname > c for c in chapters), docname
+        metadata = jupytext.read(ROOT / "notebooks" / f"{reader}.py").metadata
+        assert metadata.get("mystnb", {}).get("execution_mode") == "force", reader
+    assert toc_files().index("notebooks/findings") < toc_files().index(chapters[0])  # shown first

@@ -42,39 +42,52 @@ def _replace(model: Model, change) -> Model:
     return model
 
 
-def with_conv_mistake(path, mistake: str) -> Model:
-    """The model at `path` with its conv kernels converted the way `mistake` names."""
+def with_conv_mistake(path, mistake: str, **load_options) -> Model:
+    """The model at `path` with its conv kernels converted the way `mistake` names (`load_options` go to
+    `qmtp.load`: at full size chapter 2 loads only the first layers, `qmtp.book.budget`)."""
     transform = CONV_MISTAKES[mistake]
-    model = load(path)
+    model = load(path, **load_options)
     return _replace(model, lambda n, w: transform(conv_to_torch(w)) if is_conv_kernel(n) else None)
 
 
-def with_norm_shift(path, shift: str) -> Model:
+def with_norm_shift(path, shift: str, **load_options) -> Model:
     """The model at `path` with the zero-centred norms at w, 1 + w or 2 + w."""
     delta = NORM_SHIFTS[shift]
-    model = load(path)
+    model = load(path, **load_options)
     return _replace(model, lambda n, w: w + delta if fixes.is_zero_centred_norm(n) else None)
 
 
-def norm_weights(path) -> dict[str, list[float]]:
+def norm_weights(path, **load_options) -> dict[str, list[float]]:
     """Stored and effective values of every zero-centred norm weight (for the histograms)."""
     import numpy as np
 
-    model = load(path)
+    model = load(path, **load_options)
     effective = [np.array(w).ravel() for n, w in tree_flatten(model.parameters()) if fixes.is_zero_centred_norm(n)]
     effective = np.concatenate(effective)
     return {"stored": (effective - 1.0).tolist(), "effective": effective.tolist()}
 
 
-def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30) -> dict:
-    """Run one variant: held-out accuracy and perplexity and a greedy continuation, or MLX's refusal."""
+def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30, length: int = 128) -> dict:
+    """Run one variant: held-out accuracy and perplexity (windows of `length` tokens) and a greedy continuation,
+    or MLX's refusal."""
+    import gc
+
+    import mlx.core as mx
+
     from .evaluate import text_metrics
     from ..speculative import generate
 
+    model = None
     try:
         model = make_model()
-        metrics = text_metrics(model, texts)
+        metrics = text_metrics(model, texts, length=length)
         continuation = generate(model, prompt, max_tokens=max_tokens).text
     except ValueError as err:  # MLX refuses a kernel of the wrong shape
         return {"runs": False, "error": str(err).splitlines()[0]}
+    finally:
+        # The next variant's load checks the memory there is: MLX's cache of this model's freed buffers would
+        # still count against it (at full size, a whole second model)
+        del model
+        gc.collect()
+        mx.clear_cache()
     return {"runs": True, "accuracy": metrics.accuracy, "perplexity": metrics.perplexity, "continuation": continuation}

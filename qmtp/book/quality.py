@@ -1,15 +1,23 @@
 """What quantization costs: held-out perplexity and MTP acceptance by trunk width and by head width.
 
 Each variant is a real conversion (`qmtp.convert`) into a temporary folder, loaded back with `qmtp.load`, so
-the numbers are those of the quantized kernels a user would run, not of a simulation.
+the numbers are those of the quantized kernels a user would run, not of a simulation. At full size, where
+converting the whole model once per width would take hours and hundreds of GB, `by_trunk_width_in_memory` rounds
+the weights of a partial model (its first layers, `qmtp.load(path, layers=k)`) in memory instead: the values a
+quantized kernel multiplies by, without writing a file (`qmtp.book.budget`).
 """
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..conventions import is_conv_kernel, is_head, is_router
 from ..convert import convert
 from ..loading import load
 from .evaluate import acceptance, text_metrics
@@ -45,3 +53,39 @@ def by_head_width(src, texts, prompts, widths=(None, 8, 6, 4, 3), trunk_bits: in
     """Head at each width (None: bf16), trunk at `trunk_bits`."""
     return {("bf16" if w is None else w): measure_variant(src, texts, prompts, bits=trunk_bits, mtp_bits=w,
                                                             group_size=group_size, **options) for w in widths}
+
+
+def round_trunk(model, bits: int, group_size: int = 64, router_bits: int = 8):
+    """Round every trunk matrix of `model` in place to `bits` (router gates to `router_bits`), as MLX's affine
+    quantization stores it: mx.quantize then mx.dequantize. Norms, conv kernels and the head are left alone.
+    One tensor at a time, each replaced as soon as it is rounded, so the model is never held twice."""
+    params = dict(tree_flatten(model.parameters()))
+    for name in list(params):
+        w = params.pop(name)
+        if w.ndim < 2 or is_conv_kernel(name) or is_head(name) or w.shape[-1] % group_size:
+            continue
+        width = router_bits if is_router(name) else bits
+        rounded = mx.dequantize(*mx.quantize(w, group_size=group_size, bits=width), group_size=group_size,
+                                bits=width).astype(w.dtype)
+        mx.eval(rounded)
+        del w
+        model.update(tree_unflatten([(name, rounded)]))
+        mx.clear_cache()  # the replaced tensor and the quantizer's temporaries
+    return model
+
+
+def by_trunk_width_in_memory(make_model, texts, widths=(8, 6, 4, 3, 2), group_size: int = 64,
+                             length: int = 128) -> dict:
+    """Held-out accuracy and perplexity of the model `make_model()` returns, unrounded ("bf16") and with its trunk
+    rounded to each width in memory (a fresh model per width, so one model is held at a time)."""
+    out = {}
+    for bits in ("bf16", *widths):
+        model = make_model()
+        if bits != "bf16":
+            round_trunk(model, bits, group_size)
+        metrics = text_metrics(model, texts, length=length)
+        out[bits] = {"accuracy": metrics.accuracy, "perplexity": metrics.perplexity}
+        del model
+        gc.collect()
+        mx.clear_cache()  # the next width's load checks the memory there is: freed buffers must be returned
+    return out

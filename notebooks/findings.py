@@ -1,0 +1,192 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: mystnb
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   mystnb:
+#     execution_mode: force
+# ---
+
+# %% [markdown]
+# # What this book found
+#
+# Each finding in one line, with its number from this build and what it was measured on: the real model's
+# config (arithmetic, exact for the release), the bundled tiny model (the same architecture at toy widths, with
+# a head trained for this book), random weights at the real widths, or this machine. The last part says what
+# only the real weights or an accelerator can settle. Every number is read from what the chapters saved when
+# they ran in this build (`qmtp.book.results`); this page is shown first but runs after them.
+
+# %% tags=["hide-input"]
+import qmtp
+from IPython.display import Markdown
+from myst_nb import glue
+from qmtp.book import budget, inventory, machine, results
+
+path = inventory.model_path()
+print(inventory.describe(path))
+config = qmtp.ModelConfig.from_file(path)
+CHAPTERS = ("01_anatomy", "02_fixes", "03_converting", "04_quantizing",
+            "05_mtp_decoding", "06_throughput")
+saved = {chapter: results.load(chapter, path) for chapter in CHAPTERS}
+on_tiny = not budget.active(config)
+glue("model_kind", "the bundled tiny model" if on_tiny else "the full-size checkpoint",
+     display=False)
+glue("machine", Markdown(machine.line(saved["06_throughput"]["machine"])), display=False)
+glue("build_machine", machine.line(), display=False)  # this build's own machine
+
+# %% [markdown]
+# The chapters ran on {glue:text}`model_kind`; the timings are from {glue:md}`machine`.
+#
+# ## The real model, from its config
+#
+# *Measured on: the release's `config.json`, by arithmetic (`qmtp.sizes`); exact, and the same on any machine.*
+
+# %% tags=["hide-input"]
+anatomy, throughput_saved = saved["01_anatomy"], saved["06_throughput"]
+glue("f_params", anatomy["real_parameters_b"], display=False)
+glue("f_active", anatomy["real_active_b"], display=False)
+glue("f_total4", anatomy["trunk_gb"]["4"] + anatomy["head_gb"]["bf16"], display=False)
+glue("f_head_bf16", anatomy["head_gb"]["bf16"], display=False)
+glue("f_head_4", anatomy["head_gb"]["4"], display=False)
+glue("f_gb_token", throughput_saved["real_gb_per_token"], display=False)
+glue("f_expert_share", throughput_saved["real_expert_share"], display=False)
+glue("f_bandwidth", throughput_saved["bandwidth_gb_s"], display=False)
+predicted = throughput_saved["predicted_moe_4bit"]
+best_n = max((n for n in predicted if n != "1"), key=predicted.get)
+glue("f_moe2", predicted["2"], display=False)
+glue("f_moe_best", predicted[best_n], display=False)
+glue("f_moe_best_n", best_n, display=False)
+glue("f_dense_best", max(throughput_saved["predicted_dense_4bit"].values()),
+     display=False)
+
+# %% [markdown]
+# 1. **Size.** {glue:text}`f_params:.1f` B parameters, {glue:text}`f_active:.2f` B of them used per token; with a
+#    4-bit trunk and the head in bf16 the model weighs {glue:text}`f_total4:.1f` GB, of which the head
+#    {glue:text}`f_head_bf16:.2f` GB (the seed's "about 0.5 GB" is a 4-bit head: {glue:text}`f_head_4:.2f` GB).
+#    {doc}`01_anatomy`
+# 2. **What a token reads.** One decoded token of the 4-bit model reads {glue:text}`f_gb_token:.2f` GB,
+#    {glue:text}`f_expert_share:.0%` of it routed experts. {doc}`06_throughput`
+# 3. **Predicted speedup.** On a purely memory-bound machine ({glue:text}`f_bandwidth:.0f` GB/s) with the reported
+#    acceptance, MTP speeds the MoE up {glue:text}`f_moe2:.2f`x at `n_draft=2` and at best
+#    {glue:text}`f_moe_best:.2f`x (`n_draft` = {glue:text}`f_moe_best_n`), because a verify pass reads the union
+#    of its tokens' experts; a dense model of the same active size would gain up to
+#    {glue:text}`f_dense_best:.2f`x. {doc}`06_throughput`
+#
+# ## The bundled tiny model
+#
+# *Measured on: the tiny model that ships with the package (8 layers, hidden size 64, 256 experts top-8 and an MTP
+# head, trained on a generated corpus; its head was trained a second time on its own drafts). Its numbers show
+# directions and mechanisms, not the real model's values.*
+
+# %% tags=["hide-input"]
+fixes, converting, quantizing, decoding = (saved[c] for c in CHAPTERS[1:5])
+glue("f_acc_both", fixes["accuracy"]["both fixes"], display=False)
+glue("f_acc_no_norm", fixes["accuracy"]["conv fix only"], display=False)
+glue("f_acc_twice", fixes["double_shift_accuracy"], display=False)
+conv = fixes["conv_mistake_accuracy"]
+right = fixes["accuracy"]["both fixes"]
+silent = [a for a in conv.values() if a is not None and a != right]
+glue("f_conv_loud", sum(a is None for a in conv.values()), display=False)
+glue("f_conv_right", sum(a == right for a in conv.values()), display=False)
+glue("f_conv_silent", len(silent), display=False)
+silent_range = f"{min(silent):.3f} to {max(silent):.3f}" if silent else "none"
+glue("f_conv_silent_acc", silent_range, display=False)
+glue("f_conv_all", len(conv), display=False)
+glue("f_conv_bits", converting["bits"], display=False)
+glue("f_conv_top1", converting["top1_agreement"], display=False)
+equal = converting["unquantized_equal"]
+glue("f_conv_equal", "identical" if equal else "NOT identical", display=False)
+heads = quantizing["head_width_acceptance"]
+glue("f_head_acc_bf16", heads["bf16"], display=False)
+glue("f_head_acc_4", heads["4"], display=False)
+glue("f_head_acc_3", heads["3"], display=False)
+glue("f_trunk_acc_4", quantizing["trunk_width_acceptance"]["4"], display=False)
+glue("f_trunk_acc_2", quantizing["trunk_width_acceptance"]["2"], display=False)
+glue("f_acc2", decoding["acceptance"]["2"], display=False)
+glue("f_tpp2", decoding["tokens_per_trunk_pass"]["2"], display=False)
+glue("f_pos2", decoding["per_position"]["3"][1], display=False)
+previous = decoding["previous_head"]
+before = previous["previous head"]["3"]["per_position"][1] if previous else float("nan")
+glue("f_pos2_before", before, display=False)
+glue("f_lossless", decoding["lossless_checks"], display=False)
+glue("f_mismatches", decoding["lossless_mismatches"], display=False)
+glue("f_no_experts", decoding["ablation"]["no routed experts"], display=False)
+
+# %% [markdown]
+# 4. **The norm fix fails silently.** Without it next-token accuracy falls from {glue:text}`f_acc_both:.3f` to
+#    {glue:text}`f_acc_no_norm:.3f` with no error; the +1 applied twice gives {glue:text}`f_acc_twice:.3f`.
+#    {doc}`02_fixes`
+# 5. **A wrong conv layout fails loudly or silently.** Of {glue:text}`f_conv_all` ways to move the conv kernel,
+#    {glue:text}`f_conv_right` give the right kernel, {glue:text}`f_conv_loud` are refused by MLX and
+#    {glue:text}`f_conv_silent` run without a word at an accuracy of {glue:text}`f_conv_silent_acc`.
+#    {doc}`02_fixes`
+# 6. **Conversion loses nothing it should keep.** The {glue:text}`f_conv_bits`-bit file picks the source's next
+#    token at {glue:text}`f_conv_top1:.3f` of the positions, and every tensor left unquantized is
+#    {glue:text}`f_conv_equal`. {doc}`03_converting`
+# 7. **Quantization: the trunk's width matters, the tiny head's hardly.** Acceptance at `n_draft=2` is
+#    {glue:text}`f_trunk_acc_4:.3f` with a 4-bit trunk and {glue:text}`f_trunk_acc_2:.3f` with a 2-bit one; the
+#    head at 4 bits keeps {glue:text}`f_head_acc_4:.3f` against {glue:text}`f_head_acc_bf16:.3f` in bf16
+#    ({glue:text}`f_head_acc_3:.3f` at 3 bits). {doc}`04_quantizing`
+# 8. **Acceptance.** The trunk accepts {glue:text}`f_acc2:.2f` of the head's drafts at `n_draft=2`,
+#    {glue:text}`f_tpp2:.2f` tokens per pass; the second draft is accepted {glue:text}`f_pos2:.2f` of the times it
+#    is proposed, a property of this book's head, retrained on its own drafts (before: {glue:text}`f_pos2_before:.2f`).
+#    Without its routed experts the head's acceptance is {glue:text}`f_no_experts:.2f`. {doc}`05_mtp_decoding`
+# 9. **Lossless.** {glue:text}`f_lossless` speculative runs, {glue:text}`f_mismatches` different from plain greedy
+#    decoding. {doc}`05_mtp_decoding`
+#
+# ## This machine
+#
+# *Measured on: the machine named above. On the tiny model a pass costs what it dispatches; at the real widths
+# (random weights, the first layers of the real model with all 256 experts and the full vocabulary) it costs what
+# MLX's CPU kernels take.*
+
+# %% tags=["hide-input"]
+measured = throughput_saved["measured_speedup"]
+best_measured = max(measured, key=measured.get)
+glue("f_meas2", measured["2"], display=False)
+glue("f_meas_best", measured[best_measured], display=False)
+glue("f_meas_best_n", best_measured, display=False)
+glue("f_vs_mlx_lm", throughput_saved["qmtp_over_mlx_lm"], display=False)
+glue("f_auto", throughput_saved["auto_over_best_fixed"], display=False)
+rows = {r["pass"]: r for r in throughput_saved["real_width"]["rows"]}
+glue("f_rw_layers", throughput_saved["real_width"]["layers"], display=False)
+glue("f_rw_plain_ms", rows["plain, 1 token"]["seconds"] * 1e3, display=False)
+glue("f_rw_v2_time", rows["verify, 2 tokens"]["time_over_plain"], display=False)
+glue("f_rw_v2_bytes", rows["verify, 2 tokens"]["bytes_over_plain"], display=False)
+glue("f_rw_break_even", throughput_saved["real_width_break_even"], display=False)
+cannot = throughput_saved["real_width_break_even"] >= 2
+glue("f_rw_verdict", "so drafting cannot pay here at the real widths, however good the head"
+     if cannot else "so drafting can pay here at the real widths", display=False)
+
+# %% [markdown]
+# 10. **Tiny model, measured.** Drafting runs at {glue:text}`f_meas2:.2f`x plain decoding at `n_draft=2`, at best
+#     {glue:text}`f_meas_best:.2f`x (`n_draft` = {glue:text}`f_meas_best_n`); `n_draft="auto"` reaches
+#     {glue:text}`f_auto:.2f`x the best fixed width; qmtp decodes at {glue:text}`f_vs_mlx_lm:.2f`x mlx-lm's speed,
+#     with the same tokens. {doc}`06_throughput`
+# 11. **Real widths, measured.** A plain pass through {glue:text}`f_rw_layers` real-width layers takes
+#     {glue:text}`f_rw_plain_ms:.0f` ms; a verify pass over two tokens {glue:text}`f_rw_v2_time:.2f`x as long
+#     while reading {glue:text}`f_rw_v2_bytes:.2f`x the bytes: this CPU's quantized kernels are compute-bound, a
+#     step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`.
+#     {doc}`06_throughput`
+#
+# ## What only the real weights or an accelerator can settle
+#
+# - **The real head's acceptance**, at each `n_draft`, and how it falls with the draft position: finding 8 is
+#   this book's head's. Needs the real weights ({doc}`real_checkpoint`).
+# - **Whether the real head keeps its acceptance at 4 bits**: the tiny head is too small and its task too easy to
+#   show it (finding 7). Needs the real weights.
+# - **How much the norm mistakes cost the real model**: findings 4 and 5 show which mistakes are silent on the
+#   same architecture; their size on the release needs its weights.
+# - **Whether MTP pays at the real widths**: findings 3 and 11 disagree because this CPU is compute-bound where
+#   the cost model assumes memory-bound. Settling it needs the real weights on a machine whose passes follow their
+#   bytes (an accelerator, or Apple silicon's unified memory); chapter 6's cells time the real model there when
+#   `QMTP_MODEL` points at it.

@@ -1,0 +1,156 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: mystnb
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+#   mystnb:
+#     execution_mode: force
+# ---
+
+# %% [markdown]
+# # Running it on the real checkpoint
+#
+# Every chapter runs on the bundled tiny model unless told otherwise. This page says how to point them at the
+# released weights, what each chapter then holds in memory and writes to disk, how long it is predicted to take,
+# and the budget that keeps the whole book within a 64 GB or a 128 GB machine. Sizes are computed from the
+# release's config (`qmtp.sizes`), times from what chapter 6 measured in this build (`qmtp.book.budget`).
+#
+# ## The weights
+#
+# The official bf16 weights are the Hugging Face repository `Qwen/Qwen3.6-35B-A3B`. With the `huggingface_hub`
+# client (`pip install -U huggingface_hub`):
+#
+# ```sh
+# hf download Qwen/Qwen3.6-35B-A3B --local-dir ~/models/Qwen3.6-35B-A3B
+# ```
+#
+# (older clients: `huggingface-cli download` with the same arguments).
+# The download is {glue:text}`release_gb:.0f` GB of safetensors. Then build the book on it, or start Jupyter
+# with the variable set:
+#
+# ```sh
+# QMTP_MODEL=~/models/Qwen3.6-35B-A3B make book
+# ```
+#
+# Each chapter prints which model it uses in its first cell.
+
+# %% tags=["hide-input"]
+import textwrap
+
+import qmtp
+from IPython.display import Markdown, display
+from myst_nb import glue
+from qmtp.book import budget, inventory, machine, results
+
+path = inventory.model_path()
+print(inventory.describe(path))
+throughput_saved = results.load("06_throughput", path)
+print(textwrap.fill("Timed on: " + machine.line(throughput_saved["machine"]), 72))
+widths = budget.widths_table()
+release = widths[0]
+glue("release_gb", release["disk GB"], display=False)
+glue("release_f32", release["loaded GiB, float32"], display=False)
+glue("release_bf16", release["loaded GiB, bf16"], display=False)
+glue("q4_gb", widths[-1]["disk GB"], display=False)
+glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
+glue("runtime_gb", budget.RUNTIME_GB, display=False)
+glue("fixes_loads", budget.FIXES_LOADS, display=False)
+# one conversion per trunk width, one per head width, and the 6-bit one of the fault
+conversions = len(budget.QUANT_TRUNK_WIDTHS) + len(budget.QUANT_HEAD_WIDTHS) + 1
+glue("quant_conversions", conversions, display=False)
+
+# %% [markdown]
+# ## Memory and disk at each width
+#
+# On a CPU qmtp computes in float32, so every weight that is not quantized takes four bytes once loaded; when that
+# does not fit, it keeps the weights in bfloat16 and still computes in float32 (`qmtp.load` says so). The table
+# adds {glue:text}`runtime_gb:.1f` GiB for Python, MLX, the activations and transient copies to decide what fits.
+
+# %% tags=["hide-input"]
+columns = ("disk GB", "loaded GiB, float32", "loaded GiB, bf16")
+one_decimal = {c: "{:.1f}" for c in columns}
+Markdown(inventory.markdown_table(widths, list(widths[0]), one_decimal))
+
+# %% [markdown]
+# The release itself ({glue:text}`release_f32:.0f` GiB in float32, {glue:text}`release_bf16:.0f` GiB in
+# bfloat16) fits neither machine in float32, and only the 128 GB one in bfloat16. A conversion with a 4-bit
+# trunk and the head in bf16 is {glue:text}`q4_gb:.1f` GB on disk and {glue:text}`q4_f32:.1f` GiB loaded: that
+# is the model to decode with on either machine.
+#
+# ## What each chapter does at full size, and how long
+#
+# Run as written, chapter 2 would load the whole model {glue:text}`fixes_loads` times and chapter 4 would convert
+# it {glue:text}`quant_conversions` times.
+# When `QMTP_MODEL` points at a model with the release's widths, the chapters follow a budget instead
+# (`qmtp.book.budget`; each chapter states its own at the top): chapters 2 to 4 work on the first
+# {glue:text}`budget_layers` trunk layers (`qmtp.load(path, layers=...)`), chapter 3 converts the whole model once,
+# to {glue:text}`budget_bits` bits, and chapters 4 to 6 decode with that one conversion. On the bundled model
+# the budget does not apply, and no number in the book changes.
+
+# %% tags=["hide-input"]
+seconds = budget.pass_seconds(throughput_saved["real_width"])
+plan = budget.chapters(seconds)
+formats = {"memory GiB": "{:.1f}", "disk GB": "{:.1f}", "minutes": "{:.0f}"}
+display(Markdown(inventory.markdown_table(plan, list(plan[0]), formats)))
+peak = max(r["memory GiB"] for r in plan)
+glue("budget_layers", budget.LAYERS, display=False)
+glue("budget_bits", budget.BITS, display=False)
+glue("plan_minutes", sum(r["minutes"] for r in plan), display=False)
+glue("plan_peak", peak, display=False)
+glue("plan_disk", release["disk GB"] + sum(r["disk GB"] for r in plan), display=False)
+fitting = [f"{m} GB" for m in budget.MACHINES_GB
+           if budget.fits(peak * 2**30, m, runtime=False)]
+glue("plan_fits", " and ".join(fitting) or "neither", display=False)
+glue("measured_layers", seconds["measured_layers"], display=False)
+glue("measured_ms", seconds["first_layers"] * 1e3, display=False)
+glue("full_pass_s", seconds["full"], display=False)
+glue("head_draft_ms", seconds["head_draft"] * 1e3, display=False)
+glue("disk_rate", budget.DISK_GB_PER_S, display=False)
+glue("measured_on", "the real model itself" if throughput_saved["real_width_on_model"]
+     else "a stand-in with the release's widths and random weights", display=False)
+
+# %% [markdown]
+# "memory GiB" is the chapter's peak: the largest set of weights it holds at once and
+# {glue:text}`runtime_gb:.1f` GiB for the runtime and the transient copies of the largest tensors (what the
+# budgeted chapters 2 to 4 were measured to need on a full-size checkpoint, `tests/test_full_size.py`); "disk GB"
+# is what it writes. Under the budget the book peaks at {glue:text}`plan_peak:.1f` GiB, which fits a
+# {glue:text}`plan_fits` machine, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
+#
+# **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
+# the machine that built this page (named above). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
+# layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
+# {glue:text}`head_draft_ms:.0f` ms; scaled by the bytes each reads, a pass of the whole 4-bit model would take
+# {glue:text}`full_pass_s:.1f` s. A pass over n positions is priced as n passes (on this CPU it costs that much,
+# chapter 6), and reading weights from disk at an assumed {glue:text}`disk_rate:.0f` GB/s. On a machine whose
+# passes follow their bytes (Apple silicon, a GPU) the passes take a small fraction of that.
+#
+# ## Five lines
+#
+# On a 4-bit conversion (`python -m qmtp convert ~/models/Qwen3.6-35B-A3B q4 --bits 4`, about
+# {glue:text}`q4_gb:.0f` GB, the head kept bf16):
+#
+# ```python
+# import qmtp
+# model = qmtp.load("q4")
+# out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
+# print(out.text)
+# print(out.stats.acceptance_rate, out.stats.tokens_per_second)
+# ```
+#
+# The same lines on the model of this build:
+
+# %%
+model = qmtp.load(budget.decoding_model(path))
+out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
+print(textwrap.fill(out.text, 72))
+print(f"acceptance {out.stats.acceptance_rate:.2f}, "
+      f"{out.stats.tokens_per_second:.1f} tokens/s")

@@ -1,0 +1,79 @@
+"""The full-size budget (qmtp.book.budget), the machine line (qmtp.book.machine) and the in-memory trunk widths
+chapter 4 uses at full size (qmtp.book.quality.round_trunk)."""
+
+import warnings
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import qmtp
+from qmtp.book import budget, machine, quality
+from qmtp.config import QWEN36_35B_A3B
+from qmtp.sizes import UNQUANTIZED
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qmtp.load()
+
+
+def test_the_budget_applies_to_the_release_only(tiny):
+    assert budget.active(QWEN36_35B_A3B) and not budget.active(tiny.config)
+    assert "does not apply" in budget.statement("02_fixes", tiny.config)
+    assert "applies to this model" in budget.statement("02_fixes", QWEN36_35B_A3B)
+
+
+def test_first_layers_keeps_the_pattern():
+    part = budget.first_layers(QWEN36_35B_A3B)
+    assert part.num_hidden_layers == budget.LAYERS == len(part.layer_types)
+    assert part.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_widths_table_agrees_with_sizes():
+    rows = {r["weights"]: r for r in budget.widths_table()}
+    release, q4 = rows["bf16 (release)"], rows["4-bit trunk, bf16 head"]
+    assert release["disk GB"] == pytest.approx(budget.stored_bytes(QWEN36_35B_A3B, UNQUANTIZED) / 1e9)
+    assert release["loaded GiB, float32"] == pytest.approx(2 * release["loaded GiB, bf16"], rel=1e-3)
+    assert release["64 GB machine"] == "does not fit" and release["128 GB machine"] == "bf16 only"
+    assert q4["64 GB machine"] == "float32"
+
+
+def test_every_budgeted_chapter_fits_the_smaller_machine():
+    seconds = {"first_layers": 0.5, "full": 4.0, "head_draft": 0.5, "measured_layers": 4}
+    plan = budget.chapters(seconds)
+    assert [r["chapter"][0] for r in plan] == list("1234567")
+    smallest = min(budget.MACHINES_GB)
+    assert all(budget.fits(r["memory GiB"] * 2**30, smallest, runtime=False) for r in plan)
+    assert all(r["minutes"] >= 0 for r in plan) and sum(r["minutes"] for r in plan) > 0
+
+
+def test_pass_seconds_scales_the_measured_pass_by_bytes():
+    rows = [{"pass": "plain, 1 token", "seconds": 1.0, "bytes": 1e9}, {"pass": "head draft", "seconds": 0.5,
+                                                                         "bytes": 5e8}]
+    seconds = budget.pass_seconds({"rows": rows, "layers": 4})
+    assert seconds["head_draft"] == 0.5
+    # the same seconds per byte for both: the whole model's pass reads several times the first layers'
+    assert 3 < seconds["full"] / seconds["first_layers"] < budget.LAYERS * 40 / budget.LAYERS
+
+
+def test_round_trunk_rounds_matrices_only(tiny):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = qmtp.load(head=True)
+    before = dict(tree_flatten(model.parameters()))
+    quality.round_trunk(model, 2)
+    after = dict(tree_flatten(model.parameters()))
+    changed = {n for n in before if not mx.array_equal(before[n], after[n]).item()}
+    assert any(".mlp.experts." in n for n in changed)
+    assert not any(n.startswith("mtp.") or n.endswith("norm.weight") or "conv1d" in n for n in changed)
+
+
+def test_machine_line_names_cpu_os_mlx_and_blas():
+    info = machine.describe()
+    line = machine.line(info)
+    assert info["cores"] >= 1 and info["mlx"] == mx.__version__
+    for part in (info["cpu"], f"MLX {info['mlx']}", info["backend"], "BLAS"):
+        assert part in line
