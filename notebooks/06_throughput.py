@@ -444,6 +444,12 @@ saved = results.save("06_throughput", path, {
     "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
     "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},
     "qmtp_over_mlx_lm": versus["ratio"],
+    "real_width": {"layers": real_passes["layers"], "measured_on": "real model" if claims.is_real_model(model.config)
+                   else "real-width layers", "plain_ms": plain_row["seconds"] * 1e3,
+                   "verify2_time_over_plain": verify2["time_over_plain"],
+                   "verify2_bytes_over_plain": verify2["bytes_over_plain"],
+                   "head_time_over_plain": head_row["time_over_plain"], "break_even_n_draft_2": real_break_even,
+                   "compute_bound": verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]},
 })
 
 # %% [markdown]
