@@ -182,9 +182,9 @@ def test_n_draft_conversions(engine, value, n_draft):
 
 
 def test_n_draft_conversion_table_and_unknown_engines():
-    rows = published.conversion_table(range(1, 4))
-    assert rows[1] == {"n_draft (this book)": 2, "lemon-mlx-engine --n-draft": 2, "mlx-vlm block_size": 2,
-                       "llama.cpp --spec-draft-n-max": 1, "vLLM num_speculative_tokens": 1}
+    rows = {r["engine"]: r for r in published.conversion_table(range(1, 4))}
+    assert [rows[e]["n_draft=2"] for e in ("qmtp", "lemon-mlx-engine", "mlx-vlm", "llama.cpp", "vLLM")] == [2, 2, 2, 1, 1]
+    assert rows["vLLM"]["option"] == "num_speculative_tokens" and rows["llama.cpp"]["n_draft=3"] == 2
     with pytest.raises(KeyError):
         published.to_n_draft("sglang", 1)
     row = next(r for r in published.FIELD if r.key == "llama_cpp_3060_laptop_2")

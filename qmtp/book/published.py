@@ -54,13 +54,11 @@ def from_n_draft(engine: str, n_draft: int) -> int:
 
 
 def conversion_table(n_drafts=range(1, 6)) -> list[dict]:
-    """One row per n_draft: the equivalent option of each engine (for the book's tables)."""
+    """One row per engine: its draft-length option and the value of it that gives each n_draft."""
     rows = []
-    for n in n_drafts:
-        row = {"n_draft (this book)": n}
-        for engine, (option, _, _) in ENGINE_DRAFT_COUNTS.items():
-            if engine != "qmtp":
-                row[f"{engine} {option}"] = from_n_draft(engine, n)
+    for engine, (option, counts, _) in ENGINE_DRAFT_COUNTS.items():
+        row = {"engine": engine, "option": option, "counts": counts}
+        row.update({f"n_draft={n}": from_n_draft(engine, n) for n in n_drafts})
         rows.append(row)
     return rows
 
