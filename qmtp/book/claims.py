@@ -253,7 +253,8 @@ def _radeon(ch6, real_model):
                 f"reported {mtp / plain:.2f}x (published, not measured here)", UNTESTABLE,
                 "needs a Radeon 890M and the real weights",
                 f"the cost model at the 890M's {row.bandwidth / 1e9:.0f} GB/s predicts {p.speedup:.2f}x at "
-                f"n_draft={p.n_draft}: {'the same order' if abs(p.speedup - mtp / plain) < 0.2 else 'not close'}")
+                f"n_draft={p.n_draft}{' (assumed)' if 'n_draft' in p.assumed else ''}: "
+                f"{'the same order' if abs(p.speedup - mtp / plain) < 0.2 else 'not close'}")
 
 
 def _six_bit(ch4):

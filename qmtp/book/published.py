@@ -81,6 +81,7 @@ M3_ULTRA = Memory("LPDDR5-6400, 1024-bit", 1024, 6400)
 STRIX_HALO = Memory("LPDDR5X-8000, 256-bit", 256, 8000)  # Ryzen AI Max+ 395 / Radeon 8060S
 STRIX_POINT = Memory("LPDDR5X-7500, 128-bit", 128, 7500)  # Ryzen AI 300 / Radeon 890M
 RTX_3060_LAPTOP = Memory("GDDR6 14 Gbps, 192-bit", 192, 14000)
+A100_80GB = Memory("HBM2e, 5120-bit", 5120, 3186)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ CONDITIONS = {
     "engine_overhead": "a pass's time is mostly a fixed cost (kernel launches, synchronisation, sampling) that the "
                        "tokens of a verify pass share, so verifying costs less than its bytes say",
     "batching": "the engine drops MTP when it batches requests; the row is one request at a time",
-    "assumed": "the source gives no draft length or acceptance here, so the prediction uses assumed ones",
+    "assumed": "the source gives no draft length or no acceptance, so the prediction assumes them",
     "unreported": "the source reports nothing the cost model leaves out; a verify pass that costs more than its "
                   "bytes (compute-bound, as chapter 6 measured on this book's CPU) would part them this way",
 }
@@ -171,10 +172,21 @@ FIELD = (
                 "https://github.com/ggml-org/llama.cpp/pull/22673", False, ("partial_offload",),
                 "pull request thread, a sweep of 1 to 4 drafts")
       for d, acc, tps in ((1, 0.884, 27.58), (2, 0.815, 29.39), (3, 0.713, 27.78), (4, 0.642, 26.09))),
+    Published("llama_cpp_strix_halo_vulkan", "llama.cpp (Vulkan)", "AMD Strix Halo", STRIX_HALO,
+              "Qwen3.6-35B-A3B-MTP-UD-Q8_K_XL (GGUF)", 8, 2, None, 45.5, 51.0, 512, "sacco2026strix",
+              "https://dev.to/agustinsacco/frontier-logic-at-local-speed-the-2026-strix-halo-ultimate-benchmark-suite-2cdf",
+              True, (), "results table (the 35B MoE row) and its llama-server configuration, --spec-draft-n-max 2",
+              "llama.cpp"),
+    Published("llama_cpp_a100", "llama.cpp", "NVIDIA A100-80GB", A100_80GB,
+              "Qwen3.6-35B-A3B Hi-Fi MTP runtime (GGUF, Q4_K_M)", 4, 4, 0.76, 133.61, 198.96, 256, "fraqtl2026hifi",
+              "https://huggingface.co/fraQtl/Qwen3.6-35B-A3B-Hi-Fi-MTP-runtime", True, (),
+              "model card, measured numbers (50 prompts, 3 seeds, greedy); --spec-draft-n-max 4 with "
+              "--spec-draft-n-min 1, so a step may propose fewer than 4 drafts"),
     Published("lemon_radeon_890m", "lemon-mlx-engine", "AMD Radeon 890M", STRIX_POINT,
-              "Qwen3.6-35B-A3B (MLX conversion)", 4, 2, 0.78, 26.1, 27.3, 512, "lemonmlx",
+              "Qwen3.6-35B-A3B (MLX conversion)", 4, None, None, 26.1, 27.3, 512, "lemonmlx",
               "https://github.com/lemonade-sdk/lemon-mlx-engine", False, (),
-              "the engine's reports (June 2026); the width and the draft length are assumed"),
+              "the engine's reports (June 2026), which do not tie this run to a draft length or an acceptance; the "
+              "trunk's width (4 bits) is assumed"),
 )
 
 # Acceptance of engines on this book's bundled model, measured elsewhere (not in this build), kept apart from
@@ -281,7 +293,9 @@ def explain(p: Prediction) -> str:
         head = "agrees within 10%"
     else:
         head = "published above the model" if p.row.speedup > p.speedup else "published below the model"
-    parts = [head] + [CONDITIONS[r] for r in p.reasons]
+    missing = " or ".join("draft length" if a == "n_draft" else a for a in p.assumed)
+    parts = [head] + [f"the source gives no {missing}, so the prediction assumes {'them' if len(p.assumed) > 1 else 'it'}" if r == "assumed" else
+                      CONDITIONS[r] for r in p.reasons]
     speed = f"plain decoding ran at {p.plain_share:.0%} of the bandwidth bound"
     if p.plain_share < LOW_SHARE:
         slow = "partial_offload" if "partial_offload" in p.row.conditions else "engine_overhead"
