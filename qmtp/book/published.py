@@ -138,7 +138,8 @@ CONDITIONS = {
     "batching": "the engine drops MTP when it batches requests; the row is one request at a time",
     "assumed": "the source gives no draft length or no acceptance, so the prediction assumes them",
     "unreported": "the source reports nothing the cost model leaves out; a verify pass that costs more than its "
-                  "bytes (compute-bound, as chapter 6 measured on this book's CPU) would part them this way",
+                  "bytes (compute-bound, what chapter 6 measures at the real widths on the machine that builds "
+                  "this book) would part them this way",
 }
 ABOVE = ("engine_overhead",)  # conditions that make a published speedup exceed the memory-bound prediction
 BELOW = ("partial_offload", "long_context", "compute_bound_verify")  # and those that make it fall short
