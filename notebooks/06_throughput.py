@@ -473,6 +473,12 @@ saved = results.save("06_throughput", path, {
     "real_width_break_even": real_break_even,
     "real_width_on_model": claims.is_real_model(model.config),
     "machine": machine.describe(),
+    "real_width_summary": {"layers": real_passes["layers"], "measured_on": "real model" if claims.is_real_model(model.config)
+                   else "real-width layers", "plain_ms": plain_row["seconds"] * 1e3,
+                   "verify2_time_over_plain": verify2["time_over_plain"],
+                   "verify2_bytes_over_plain": verify2["bytes_over_plain"],
+                   "head_time_over_plain": head_row["time_over_plain"], "break_even_n_draft_2": real_break_even,
+                   "compute_bound": verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]},
 })
 
 # %% [markdown]

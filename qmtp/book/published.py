@@ -1,0 +1,324 @@
+"""The field, as published: MTP measurements of Qwen3.5/3.6-35B-A3B made by others, each with its source.
+
+Nothing here was measured by this book. Every row is a figure someone else published, typed as they gave it
+and labelled as published wherever it is shown; `checked` says whether the figure was read at its source
+when this module was written (a row not checked there is shown "as reported in" its source). The book sets
+each row beside the cost model of `qmtp.book.throughput` (`predict`), which prices a step by the bytes it
+reads at the row's memory bandwidth.
+
+**One draft-length convention.** `n_draft` counts the tokens one trunk pass verifies, the trunk's own
+included (1 = plain decoding, 2 = one draft of the head). Other engines count drafts only:
+
+    n_draft = lemon-mlx-engine's --n-draft = mlx-vlm's block_size
+            = llama.cpp's --spec-draft-n-max + 1 = vLLM's num_speculative_tokens + 1        (`to_n_draft`)
+
+**Acceptance** is the engines' "acceptance rate": drafts accepted over drafts proposed. When every step
+proposes all n_draft - 1 drafts (as llama.cpp and vLLM do at a fixed length), a step emits on average
+
+    tau = 1 + (n_draft - 1) * acceptance                                                   (`tokens_per_pass`)
+
+tokens, which is what the cost model needs; `predict` turns it into per-position rates that give the same
+tau (one rate for every position), since the cost model prices a step from those.
+
+**Memory bandwidth** is the peak of the memory that holds the weights, computed from its bus width and
+transfer rate (vendor specifications): `bus_bits / 8 * megatransfers per second`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import QWEN36_35B_A3B, ModelConfig
+from .throughput import GB, Machine, predicted_speedup
+
+ENGINE_DRAFT_COUNTS = {
+    # engine: (its option, what it counts, how to get this book's n_draft from it)
+    "qmtp": ("n_draft", "tokens per trunk pass, the trunk's own included", 0),
+    "lemon-mlx-engine": ("--n-draft", "tokens per trunk pass, the trunk's own included", 0),
+    "mlx-vlm": ("block_size", "tokens per trunk pass, the trunk's own included", 0),
+    "llama.cpp": ("--spec-draft-n-max", "drafts per step", 1),
+    "vLLM": ("num_speculative_tokens", "drafts per step", 1),
+}
+
+
+def to_n_draft(engine: str, value: int) -> int:
+    """This book's n_draft for an engine's own draft-length option (`ENGINE_DRAFT_COUNTS`)."""
+    if engine not in ENGINE_DRAFT_COUNTS:
+        raise KeyError(f"no draft-length convention known for {engine!r}: {sorted(ENGINE_DRAFT_COUNTS)}")
+    return value + ENGINE_DRAFT_COUNTS[engine][2]
+
+
+def from_n_draft(engine: str, n_draft: int) -> int:
+    """The value of an engine's draft-length option that verifies `n_draft` tokens per trunk pass."""
+    return n_draft - to_n_draft(engine, 0)
+
+
+def conversion_table(n_drafts=range(1, 6)) -> list[dict]:
+    """One row per engine: its draft-length option and the value of it that gives each n_draft."""
+    rows = []
+    for engine, (option, counts, _) in ENGINE_DRAFT_COUNTS.items():
+        row = {"engine": engine, "option": option, "counts": counts}
+        row.update({f"n_draft={n}": from_n_draft(engine, n) for n in n_drafts})
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The memory that holds the weights, as the vendor specifies it."""
+
+    name: str
+    bus_bits: int
+    megatransfers: int  # per second, per pin
+
+    @property
+    def bandwidth(self) -> float:
+        """Peak bandwidth in bytes per second."""
+        return self.bus_bits / 8 * self.megatransfers * 1e6
+
+
+M3_ULTRA = Memory("LPDDR5-6400, 1024-bit", 1024, 6400)
+STRIX_HALO = Memory("LPDDR5X-8000, 256-bit", 256, 8000)  # Ryzen AI Max+ 395 / Radeon 8060S
+STRIX_POINT = Memory("LPDDR5X-7500, 128-bit", 128, 7500)  # Ryzen AI 300 / Radeon 890M
+RTX_3060_LAPTOP = Memory("GDDR6 14 Gbps, 192-bit", 192, 14000)
+A100_80GB = Memory("HBM2e, 5120-bit", 5120, 3186)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published measurement: plain decoding against MTP on one machine, one request at a time."""
+
+    key: str
+    engine: str
+    hardware: str
+    memory: Memory
+    model: str  # the checkpoint as the source names it
+    bits: int  # the trunk's width, for the cost model
+    engine_draft: int | None  # the engine's own draft-length value; None: not stated in the source
+    acceptance: float | tuple[float, float] | None  # as the source gives it (a range as (low, high))
+    plain_tps: float
+    mtp_tps: float
+    context: int  # tokens in the cache while decoding, about (prompt + half the output)
+    source: str  # bib key in book/references.bib
+    url: str
+    checked: bool  # the figures were read at the source when this row was written
+    conditions: tuple[str, ...] = ()  # keys of `CONDITIONS` the source reports
+    where: str = ""  # where in the source the figures are
+    convention: str = ""  # whose draft-length convention engine_draft follows (`ENGINE_DRAFT_COUNTS`); "": engine's
+
+    @property
+    def n_draft(self) -> int | None:
+        return None if self.engine_draft is None else to_n_draft(self.convention or self.engine, self.engine_draft)
+
+    @property
+    def speedup(self) -> float:
+        return self.mtp_tps / self.plain_tps
+
+    @property
+    def acceptance_mid(self) -> float | None:
+        a = self.acceptance
+        return (a[0] + a[1]) / 2 if isinstance(a, tuple) else a
+
+    @property
+    def bandwidth(self) -> float:
+        return self.memory.bandwidth
+
+
+# Why a published row and the cost model can part (the book says which applies to each row). Conditions a
+# source reports are listed in its row; the last two are the book's own reading when the source reports none.
+CONDITIONS = {
+    "partial_offload": "part of the weights sit in system memory, so a pass is priced by a slower memory than the "
+                       "GPU's",
+    "long_context": "a long prompt: each pass also reads and attends over a long KV cache, a cost that grows with "
+                    "the tokens a verify pass holds",
+    "compute_bound_verify": "a pass over several tokens costs clearly more than its bytes (the verify pass is "
+                            "compute-bound)",
+    "engine_overhead": "a pass's time is mostly a fixed cost (kernel launches, synchronisation, sampling) that the "
+                       "tokens of a verify pass share, so verifying costs less than its bytes say",
+    "batching": "the engine drops MTP when it batches requests; the row is one request at a time",
+    "assumed": "the source gives no draft length or no acceptance, so the prediction assumes them",
+    "unreported": "the source reports nothing the cost model leaves out; a verify pass that costs more than its "
+                  "bytes (compute-bound, what chapter 6 measures at the real widths on the machine that builds "
+                  "this book) would part them this way",
+}
+ABOVE = ("engine_overhead",)  # conditions that make a published speedup exceed the memory-bound prediction
+BELOW = ("partial_offload", "long_context", "compute_bound_verify")  # and those that make it fall short
+LOW_SHARE = 0.5  # plain decoding below half the bandwidth bound: a pass is mostly fixed cost
+
+
+FIELD = (
+    Published("vllm_mlx_m3_ultra", "vllm-mlx", "Apple M3 Ultra", M3_ULTRA, "Qwen3.5-35B-A3B-4bit (MLX)", 4,
+              1, (0.79, 0.80), 73.7, 85.9, 300, "vllmmlx245",
+              "https://github.com/waybarrios/vllm-mlx/pull/245", True, ("batching",),
+              "pull request description, benchmark table for Qwen3.5-35B-A3B-4bit (one draft: the head predicts "
+              "the token after next)", "vLLM"),
+    Published("rocm_vllm_strix_halo_128", "vLLM (ROCm fork)", "AMD Strix Halo", STRIX_HALO,
+              "Intel/Qwen3.5-35B-A3B-int4-AutoRound", 4, None, None, 62.9, 87.2, 192, "rocmvllm933",
+              "https://github.com/ROCm/vllm/pull/933", True, (),
+              "pull request description, headline table, 128 tokens in / 128 out", "vLLM"),
+    Published("rocm_vllm_strix_halo_4096", "vLLM (ROCm fork)", "AMD Strix Halo", STRIX_HALO,
+              "Intel/Qwen3.5-35B-A3B-int4-AutoRound", 4, None, None, 61.1, 57.6, 4160, "rocmvllm933",
+              "https://github.com/ROCm/vllm/pull/933", True, ("long_context",),
+              "pull request description, headline table, 4096 tokens in / 128 out", "vLLM"),
+    Published("vllm_strix_halo_awq_1", "vLLM", "AMD Strix Halo", STRIX_HALO,
+              "cyankiwi/Qwen3.6-35B-A3B-AWQ-4bit", 4, 1, None, 24.6, 28.2, 402, "kyuz0strix53",
+              "https://github.com/kyuz0/amd-strix-halo-vllm-toolboxes/issues/53", True, ("engine_overhead",),
+              "comment of 2026-07-28, single-stream table (274-token prompt, 256 tokens out)"),
+    Published("vllm_strix_halo_awq_4", "vLLM", "AMD Strix Halo", STRIX_HALO,
+              "cyankiwi/Qwen3.6-35B-A3B-AWQ-4bit", 4, 4, None, 24.6, 31.2, 402, "kyuz0strix53",
+              "https://github.com/kyuz0/amd-strix-halo-vllm-toolboxes/issues/53", True, ("engine_overhead",),
+              "comment of 2026-07-28, single-stream table, its best draft length"),
+    *(Published(f"llama_cpp_3060_laptop_{d}", "llama.cpp", "RTX 3060 Laptop, partial offload",
+                RTX_3060_LAPTOP, "Qwen3.6-35B-A3B (GGUF)", 4, d, acc, 22.92, tps, 512, "llamacpp22673",
+                "https://github.com/ggml-org/llama.cpp/pull/22673", False, ("partial_offload",),
+                "pull request thread, a sweep of 1 to 4 drafts")
+      for d, acc, tps in ((1, 0.884, 27.58), (2, 0.815, 29.39), (3, 0.713, 27.78), (4, 0.642, 26.09))),
+    Published("llama_cpp_strix_halo_vulkan", "llama.cpp (Vulkan)", "AMD Strix Halo", STRIX_HALO,
+              "Qwen3.6-35B-A3B-MTP-UD-Q8_K_XL (GGUF)", 8, 2, None, 45.5, 51.0, 512, "sacco2026strix",
+              "https://dev.to/agustinsacco/frontier-logic-at-local-speed-the-2026-strix-halo-ultimate-benchmark-suite-2cdf",
+              True, (), "results table (the 35B MoE row) and its llama-server configuration, --spec-draft-n-max 2",
+              "llama.cpp"),
+    Published("llama_cpp_a100", "llama.cpp", "NVIDIA A100-80GB", A100_80GB,
+              "Qwen3.6-35B-A3B Hi-Fi MTP runtime (GGUF, Q4_K_M)", 4, 4, 0.76, 133.61, 198.96, 256, "fraqtl2026hifi",
+              "https://huggingface.co/fraQtl/Qwen3.6-35B-A3B-Hi-Fi-MTP-runtime", True, (),
+              "model card, measured numbers (50 prompts, 3 seeds, greedy); --spec-draft-n-max 4 with "
+              "--spec-draft-n-min 1, so a step may propose fewer than 4 drafts"),
+    Published("lemon_radeon_890m", "lemon-mlx-engine", "AMD Radeon 890M", STRIX_POINT,
+              "Qwen3.6-35B-A3B (MLX conversion)", 4, None, None, 26.1, 27.3, 512, "lemonmlx",
+              "https://github.com/lemonade-sdk/lemon-mlx-engine", False, (),
+              "the engine's reports (June 2026), which do not tie this run to a draft length or an acceptance; the "
+              "trunk's width (4 bits) is assumed"),
+)
+
+# Acceptance of engines on this book's bundled model, measured elsewhere (not in this build), kept apart from
+# FIELD: a different model, so no cost-model row. n_draft=2, greedy, the bundled model's 8-bit conversion.
+ELSEWHERE_ON_BUNDLED = (
+    {"engine": "lemon-mlx-engine (head's cache reset each step, pre-norm state)", "n_draft": 2,
+     "acceptance": (0.74, 0.83), "source": "qmtplemon2026"},
+    {"engine": "qmtp (head's cache kept, post-norm state)", "n_draft": 2, "acceptance": (0.87, 0.88),
+     "source": "qmtplemon2026"},
+)
+
+
+def sources() -> set[str]:
+    """Every bib key a published figure here rests on."""
+    return {r.source for r in FIELD} | {r["source"] for r in ELSEWHERE_ON_BUNDLED}
+
+
+# ---- the cost model's view of a row -------------------------------------------------------------------------
+ASSUMED_N_DRAFT = 2  # for a row whose source does not give its draft length: one draft, the head's own depth
+
+
+def constant_rate(tokens_per_pass: float, drafts: int) -> float:
+    """The one per-position rate a with 1 + a + a^2 + ... + a^drafts = tokens_per_pass (bisection)."""
+    target = tokens_per_pass - 1.0
+    if drafts == 0 or target <= 0:
+        return 0.0
+    if target >= drafts:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, drafts + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def tokens_per_pass(acceptance: float, n_draft: int) -> float:
+    """Tokens a step emits when every step proposes n_draft - 1 drafts and `acceptance` of them are kept."""
+    return 1.0 + (n_draft - 1) * acceptance
+
+
+@dataclass(frozen=True)
+class Prediction:
+    row: Published
+    n_draft: int
+    acceptance: float
+    assumed: tuple[str, ...]  # which of n_draft and acceptance the source did not give
+    tokens_per_pass: float
+    plain_bound_tps: float  # bandwidth / bytes of a plain pass: the most plain decoding can reach
+    speedup: float  # the cost model's, memory-bound (no fixed cost per pass)
+    plain_share: float  # published plain tokens/s over the bound
+    reasons: tuple[str, ...] = field(default=())  # keys of CONDITIONS that explain a gap
+
+
+AGREES = 0.10  # the prediction and the published speedup "agree" within 10% of the published one
+
+
+def predict(row: Published, config: ModelConfig = QWEN36_35B_A3B, default_acceptance: float = 0.78,
+            mtp_bits=None) -> Prediction:
+    """The cost model at the row's bandwidth, width, context, draft length and acceptance (those the source
+    does not give are assumed: `ASSUMED_N_DRAFT`, `default_acceptance`); the head in bf16 (`mtp_bits=None`),
+    as the book recommends and as the engines above load it. `reasons` names the `CONDITIONS` that explain
+    a gap between the two speedups, in the direction of the gap."""
+    from ..sizes import sizes
+    from .throughput import total, trunk_pass_bytes
+
+    assumed = []
+    n = row.n_draft
+    if n is None:
+        n, assumed = ASSUMED_N_DRAFT, assumed + ["n_draft"]
+    a = row.acceptance_mid
+    if a is None:
+        a, assumed = default_acceptance, assumed + ["acceptance"]
+    tau = tokens_per_pass(a, n)
+    rates = [constant_rate(tau, n - 1)] * (n - 1)
+    report = sizes(config, row.bits, mtp_bits=mtp_bits)
+    p = predicted_speedup(config, report, rates, n, Machine(row.bandwidth), context=row.context)
+    plain_bytes = total(trunk_pass_bytes(config, report, 1, row.context, config.num_experts_per_tok))
+    bound = row.bandwidth / plain_bytes
+    share = row.plain_tps / bound
+    reasons = []
+    if abs(row.speedup - p.speedup) > AGREES * row.speedup:
+        above = row.speedup > p.speedup
+        reasons = [c for c in row.conditions if c in (ABOVE if above else BELOW)]
+        if above and share < LOW_SHARE and "engine_overhead" not in reasons:
+            reasons.append("engine_overhead")
+        if not above and not reasons:
+            reasons.append("unreported")
+        if assumed:
+            reasons.append("assumed")
+    return Prediction(row, n, a, tuple(assumed), tau, bound, p.speedup, share, tuple(reasons))
+
+
+def agrees(p: Prediction) -> bool:
+    return abs(p.row.speedup - p.speedup) <= AGREES * p.row.speedup
+
+
+def explain(p: Prediction) -> str:
+    """Whether the cost model and the published speedup agree and, if not, why; and why the published plain
+    speed is where it is against the bandwidth bound."""
+    if agrees(p):
+        head = "agrees within 10%"
+    else:
+        head = "published above the model" if p.row.speedup > p.speedup else "published below the model"
+    missing = " or ".join("draft length" if a == "n_draft" else a for a in p.assumed)
+    parts = [head] + [f"the source gives no {missing}, so the prediction assumes {'them' if len(p.assumed) > 1 else 'it'}" if r == "assumed" else
+                      CONDITIONS[r] for r in p.reasons]
+    speed = f"plain decoding ran at {p.plain_share:.0%} of the bandwidth bound"
+    if p.plain_share < LOW_SHARE:
+        slow = "partial_offload" if "partial_offload" in p.row.conditions else "engine_overhead"
+        speed += " (" + ("weights partly in system memory" if slow == "partial_offload" else
+                         "a pass is mostly fixed cost") + ")"
+    return "; ".join(parts) + ". " + speed[0].upper() + speed[1:] + "."
+
+
+def field_table(config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
+    """FIELD beside the cost model, one dict per row (for the book's table)."""
+    rows = []
+    for r in FIELD:
+        p = predict(r, config)
+        acc = r.acceptance
+        rows.append({
+            "key": r.key, "engine": r.engine, "hardware": r.hardware, "GB/s": r.bandwidth / GB,
+            "n_draft": f"{p.n_draft}" + (" (assumed)" if "n_draft" in p.assumed else ""),
+            "acceptance": (f"{acc[0]:.2f}-{acc[1]:.2f}" if isinstance(acc, tuple) else
+                           f"{acc:.3f}" if acc is not None else f"{p.acceptance:.2f} (assumed)"),
+            "plain tok/s": r.plain_tps, "MTP tok/s": r.mtp_tps, "published speedup": r.speedup,
+            "predicted speedup": p.speedup, "plain bound tok/s": p.plain_bound_tps, "plain share": p.plain_share,
+            "context": r.context, "source": r.source, "url": r.url, "checked": r.checked,
+            "why": explain(p), "prediction": p,
+        })
+    return rows
