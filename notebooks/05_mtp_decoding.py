@@ -106,7 +106,8 @@ MAX_TOKENS = 40
 # rejected, and the token the trunk adds itself.
 
 # %% mystnb={"figure": {"caption": "The worked example, one row per trunk pass at n_draft 3: {glue:text}`ex_tokens` tokens in {glue:text}`ex_passes` passes after the prefill, {glue:text}`ex_accepted` of the head's {glue:text}`ex_proposed` drafts accepted (green), the first draft rejected in a pass struck out (red), and the trunk's own token ending each pass (blue).", "name": "fig-worked-example"}}
-example = qmtp.generate(model, "Once upon a time, a little fox named", max_tokens=36, n_draft=3)
+example = qmtp.generate(model, "Once upon a time, a little fox named", max_tokens=36,
+                        n_draft=3)
 fig = plots.speculative_steps(example, model.tokenizer)
 example_passes = plots.shown_passes(example)
 glue("ex_tokens", len(example.tokens), display=False)
@@ -125,7 +126,9 @@ glue("ex_proposed", proposed, display=False)
 mismatches = 0
 for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
-    mismatches += sum(qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain for n in range(2, 6))
+    for n in range(2, 6):
+        drafted = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens
+        mismatches += drafted != plain
 glue("lossless_checks", 4 * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
 assert mismatches == 0
@@ -140,7 +143,8 @@ assert mismatches == 0
 # counted over those occasions.
 
 # %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft; the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2 and each later position less often, whatever n_draft. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at 5.", "name": "fig-acceptance-position"}}
-by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS) for n in range(2, 6)}
+by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
+        for n in range(2, 6)}
 fig = plots.acceptance_by_position(by_n)
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
@@ -168,23 +172,30 @@ previous = evaluate.previous_head(model)
 if previous is not None:
     heads = {"previous head": previous, "chained-trained head": None}
     compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
-    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} {'tokens/pass':>11} {'speed vs previous':>17}")
+    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
+          f"{'tokens/pass':>11} {'speed vs previous':>17}")
     for n in range(2, 6):
         for label in heads:
             r = compared[label][n]
             per = ", ".join(f"{a:.2f}" for a in r["per_position"])
-            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} {r['speed_ratio_to_first']:>17.2f}")
+            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
+                  f"{r['speed_ratio_to_first']:>17.2f}")
     old, new = compared["previous head"], compared["chained-trained head"]
     head_glue = {
-        "old_n3_first": old[3]["per_position"][0], "new_n3_first": new[3]["per_position"][0],
-        "old_n3_second": old[3]["per_position"][1], "new_n3_second": new[3]["per_position"][1],
-        "old_tpp_n4": old[4]["tokens_per_trunk_pass"], "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
-        "speed_ratio_n4": new[4]["speed_ratio_to_first"], "speed_ratio_n5": new[5]["speed_ratio_to_first"],
+        "old_n3_first": old[3]["per_position"][0],
+        "new_n3_first": new[3]["per_position"][0],
+        "old_n3_second": old[3]["per_position"][1],
+        "new_n3_second": new[3]["per_position"][1],
+        "old_tpp_n4": old[4]["tokens_per_trunk_pass"],
+        "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
+        "speed_ratio_n4": new[4]["speed_ratio_to_first"],
+        "speed_ratio_n5": new[5]["speed_ratio_to_first"],
     }
-else:  # a model without a kept previous head (real weights): nothing to set side by side
+else:  # no previous head kept beside the model (real weights): nothing to compare
     compared = None
-    head_glue = dict.fromkeys(["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
-                               "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+    head_glue = dict.fromkeys(
+        ["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
+         "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
     print(f"{path} keeps no previous head: the comparison needs the bundled model")
 for name, value in head_glue.items():
     glue(name, value, display=False)
@@ -239,8 +250,10 @@ variants = {
     "head weights 3-bit": dict(head=mtp.with_weight_bits(model.mtp, 3)),
     "pre-norm hidden state": dict(hidden="pre"),
 }
-ablation = {label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options)["rate"]
-            for label, options in variants.items()}
+ablation = {
+    label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS,
+                               **options)["rate"]
+    for label, options in variants.items()}
 glue("acc_no_experts", ablation["no routed experts"], display=False)
 glue("acc_prenorm", ablation["pre-norm hidden state"], display=False)
 glue("acc_head4", ablation["head weights 4-bit"], display=False)
@@ -265,12 +278,14 @@ widgets.step_explorer(example, model.tokenizer)
 saved = results.save("05_mtp_decoding", path, {
     "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
     "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
-    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()},
+    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"]
+                              for n, r in by_n.items()},
     "ablation": ablation,
     "per_register": per_register,
     "lossless_mismatches": mismatches,
     "previous_head": None if compared is None else {
-        label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
+        label: {str(n): r for n, r in by_head.items()}
+        for label, by_head in compared.items()},
 })
 
 # %% [markdown]
