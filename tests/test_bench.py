@@ -82,7 +82,7 @@ def test_bench_convert_times_three_tools_on_the_same_source(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
     from qmtp.book import bench_convert
 
-    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64)
+    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64, vocab_size=1024)
     report = bench_convert.run(tmp_path / "work", bits=4, rounds=1, config=config, progress=lambda line: None)
     assert set(report["tools"]) == {"cp", "qmtp", "mlx-lm"}
     source = report["source_bytes"]
