@@ -15,6 +15,7 @@ from . import cores
 from . import fixes as fixes_mod
 from . import layout
 from . import memory
+from . import parallel
 from .conventions import is_small_critical, keeps_float32
 from .errors import CheckpointError, UsageError, user_path
 from .model import Model
@@ -45,7 +46,7 @@ def resolve_path(path) -> Path:
 
 
 def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True, tokenizer: bool = True,
-         layers: int | None = None) -> Model:
+         layers: int | None = None, group=None) -> Model:
     """Load a checkpoint directory (any released layout, or a converted one) into a `Model`.
 
     `layers`: None (the default) loads every trunk layer config.json declares, and refuses a checkpoint that
@@ -68,6 +69,13 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`, `QuantizedStackedLinear`) at the width each one is stored
     with; their scales and biases take `dtype` like every other weight.
     With no path: $QMTP_MODEL if set, else the bundled tiny model.
+
+    `group`: an MLX distributed group (`mx.distributed.init()` in a program started by `mlx.launch`) to spread
+    the routed experts over (`qmtp.parallel`): rank r of N reads and holds only experts r*E/N .. (r+1)*E/N - 1
+    of every MoE layer, everything else whole; `generate` on the result returns, on every rank, the tokens of
+    one process. Every rank must call `load` with the same arguments on the same checkpoint: a
+    `parallel.DistributedError` on every rank when they did not, or when the E experts do not split evenly.
+    A group of one rank (or None) loads the whole model.
     """
     path = resolve_path(path)
     requested = fixes_mod.validate(fixes)
@@ -84,9 +92,19 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
         layers = int(layers)
         if layers < 1:
             raise UsageError(f"layers={layers}: give at least 1 trunk layer, or None for all of them")
+    if group is not None:
+        parallel.world(group)  # a group, or a DistributedError before anything is read
     requested_dtype, dtype = dtype, dtype or default_dtype()
     source = Source.open(path, layers=layers)
     config, ckpt, plan = source.config, source.ckpt, source.plan
+    shard = None
+    if group is not None and group.size() > 1:
+        # First, before any check that could fail on one rank only: every rank learns whether all opened the same
+        # checkpoint with the same settings, and all raise together when not (a rank that raised alone would
+        # leave the others waiting in the model's first collective).
+        settings = (str(requested_dtype), layers, head, tuple(requested), group.size())
+        parallel.agree(group, parallel.fingerprint(source, settings), f"checkpoint ({path.name})")
+        shard = parallel.ExpertShard.of(group, config.num_experts)
     source.require_declared()  # before the shapes: a short config is the cause, not what follows from it
     widths = source.widths
     source.require_trunk()
@@ -108,6 +126,8 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
                       stacklevel=2)
 
     model = Model(config, head=with_head, head_routed_experts=head_routed)
+    if shard is not None:  # before the quantized twins are made: they take the held stacks' shapes
+        parallel.hold_experts(model, shard)
     quantize_layers(model, widths)
     # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
     dtype = _dtype_that_fits(model, dtype, chosen=requested_dtype is None, path=path)
@@ -122,7 +142,9 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     for name, recipe in plan.recipes.items():
         if name not in wanted:
             continue  # head tensors when the head is not loaded
-        w = fixes_mod.apply(name, reader.materialise(recipe), fix_plan.applying)
+        # a rank reads only its block of each routed expert stack (its rows of the first axis)
+        rows = shard.rows if shard is not None and parallel.is_routed_expert(name) else None
+        w = fixes_mod.apply(name, reader.materialise(recipe, rows), fix_plan.applying)
         finite = None
         if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
             kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
@@ -151,6 +173,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     if not config.tie_word_embeddings:  # after quantize_layers: lm_head is its final module now
         model._lm_head_split = cores.split_lm_head(model.lm_head)
     model.path = path
+    model.shard = shard
     mx.clear_cache()  # the casts' freed buffers would otherwise stay in MLX's cache, counted in the RSS
     if tokenizer and ((path / "tokenizer.json").exists() or (path / "tokenizer.json").is_symlink()):
         from .tokenizer import Tokenizer

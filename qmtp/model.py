@@ -73,6 +73,7 @@ class Model(nn.Module):
         self.fixes_applied: tuple[str, ...] = ()
         self._lm_head_split = None  # qmtp.cores: lm_head in row blocks on several CPU streams, set by load()
         self.path: Path | None = None
+        self.shard = None  # qmtp.parallel.ExpertShard: this rank holds a block of the routed experts only
         self.tokenizer = None
         # Calls on one model are serialised (`qmtp.generate` holds it): tracing a compiled step swaps the
         # weights for placeholders, which another thread would read ("an array without a primitive").

@@ -149,11 +149,12 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.routing_log: list | None = None  # set to a list to collect the expert indices of every call
         self.balance_log: list | None = None  # set to a list (in training) to collect the load-balancing term
+        self.shard = None  # a `qmtp.parallel.ExpertShard` when this rank holds a block of the experts only
 
     def __setattr__(self, key, value):
         # The logs are plain attributes, outside the parameter tree: what they collect is not a parameter, and
         # a compiled step that reads the layer's parameters must not see them grow.
-        if key in ("routing_log", "balance_log"):
+        if key in ("routing_log", "balance_log", "shard"):
             object.__setattr__(self, key, value)
         else:
             super().__setattr__(key, value)
@@ -171,7 +172,10 @@ class SparseMoE(nn.Module):
         if self.experts is not None:
             logits = self.gate(flat)
             indices, weights = route(logits, self.top_k, self.renormalise)
-            routed = self.experts(flat, indices)  # [N, k, H]
+            if self.shard is None:
+                routed = self.experts(flat, indices)  # [N, k, H]
+            else:  # every expert's output gathered from the rank that holds it: the same [N, k, H], bit for bit
+                routed = self.shard.routed(self.experts, flat, indices)
             out = out + (routed.astype(mx.float32) * weights[..., None]).sum(axis=-2)
         return out.astype(x.dtype).reshape(shape), indices, logits
 
