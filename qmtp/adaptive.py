@@ -97,7 +97,7 @@ class DraftPlanner:
 
 
 def time_steps(runs: dict, inputs: dict, rounds: tuple[int, int] = (12, 32), precision: float = 0.03,
-               chain: int = 1, budget: float = 10.0) -> dict[int, float]:
+               chain: int = 1, budget: float = 10.0, agree=None) -> dict[int, float]:
     """Seconds of one step at each width as the decoding loop runs them: each step queued before the host
     waits for the one before (so what the loop overlaps is overlapped here too), and timed as an interval
     between two reads inside a run of steps of one width.
@@ -116,7 +116,11 @@ def time_steps(runs: dict, inputs: dict, rounds: tuple[int, int] = (12, 32), pre
     (relative standard error): a quiet machine is done in the fewest (about 2 s for the bundled model on
     2 cores), a busy one takes more (up to about 8 s there). Rounds stop once they have taken `budget`
     seconds, and where steps take seconds (the real model on a small machine) fewer than `rounds[0]` are
-    run, to stay within about that."""
+    run, to stay within about that.
+
+    `agree`: for ranks that run each step together (`qmtp.parallel`), a function from this rank's value to
+    rank 0's: how many rounds at least and when to stop are decided by timings, which differ between ranks,
+    and a rank that ran one round more would wait forever on the others' collectives."""
     widths = list(runs)
     for n in widths:  # the first calls of each trace and compile it
         mx.eval(runs[n](*inputs[n])[2])
@@ -125,6 +129,8 @@ def time_steps(runs: dict, inputs: dict, rounds: tuple[int, int] = (12, 32), pre
         mx.eval(runs[n](*inputs[n])[2])
     step = (time.perf_counter() - started) / len(widths)
     fewest = max(1, min(rounds[0], int(budget / (step * len(widths) * (chain + 2)))))
+    if agree is not None:
+        fewest = int(agree(fewest))
     relative, scales = {n: [] for n in widths}, []  # per round: log(time / the round's geometric mean)
     started = time.perf_counter()
     for r in range(rounds[1]):
@@ -146,8 +152,11 @@ def time_steps(runs: dict, inputs: dict, rounds: tuple[int, int] = (12, 32), pre
         scales.append(statistics.fmean(times.values()))
         for n in widths:
             relative[n].append(times[n] - scales[-1])
-        if r + 1 >= fewest and (time.perf_counter() - started > budget or
-                                max(map(_median_error, relative.values())) < precision):
+        done = r + 1 >= fewest and (time.perf_counter() - started > budget or
+                                    max(map(_median_error, relative.values())) < precision)
+        if agree is not None:
+            done = bool(agree(done))
+        if done:
             break
     scale = statistics.median(scales)
     return {n: math.exp(statistics.median(r) + scale) for n, r in relative.items()}

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import NonFiniteLogitsError, UsageError
-from . import adaptive, decoding
+from . import adaptive, decoding, parallel
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model, release_at_thread_exit
@@ -511,5 +511,16 @@ def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_
         state, (h, after, keep), _ = _prefill(model, head, prompt_tokens, capacity, widest, strategy, hidden, rng)
         runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record) for n in widths}
         inputs = {n: (state, (h[:, :n], after[:, :n], keep), rng) for n in widths}
-        costs[key] = adaptive.time_steps(runs, inputs)
+        shard = model.shard
+        if shard is None:
+            costs[key] = adaptive.time_steps(runs, inputs)
+        else:
+            # Ranks time their steps differently; each planner must choose the same width at every step (the
+            # ranks run each step together), so all take rank 0's costs: a planner is a function of the costs and
+            # of the tokens accepted, and the tokens are the same on every rank.
+            def rank0(value):
+                return parallel.broadcast([value], shard.group)[0]
+
+            timed = adaptive.time_steps(runs, inputs, agree=rank0)
+            costs[key] = dict(zip(widths, parallel.broadcast([timed[n] for n in widths], shard.group)))
     return costs[key]
