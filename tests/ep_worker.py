@@ -1,0 +1,79 @@
+"""One rank of tests/test_distributed.py, started by `mlx.launch`: writes what it found to OUT/rank{r}.json.
+
+    decode OUT        the bundled model, expert-parallel over the group: each MoE layer against the whole model
+                      loaded in this same process, and the tokens of greedy, sampled and "auto" generations
+    load OUT PATH...  qmtp.load(PATH[rank], group=...): the DistributedError it raises, if any
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+import qmtp
+from qmtp.parallel import DistributedError
+
+PROMPT = "Once upon a time"
+MAX_TOKENS = 24
+SEED = 3
+
+
+def moe_layers_equal(whole, sharded) -> dict:
+    """Each MoE layer (trunk and head) of the sharded model against the whole one, on random inputs of a few
+    lengths (1 token as in decoding, 3 and 6 as in verify passes, 40 as in a prefill: the sorted path)."""
+    mx.random.seed(1)
+    H = whole.config.hidden_size
+    pairs = [(a.mlp, b.mlp) for a, b in zip(whole.layers, sharded.layers)]
+    pairs.append((whole.mtp.layers[0].mlp, sharded.mtp.layers[0].mlp))
+    result = {}
+    for tokens in (1, 3, 6, 40):
+        x = mx.random.normal((tokens, H))
+        result[str(tokens)] = [bool(mx.array_equal(a(x), b(x)).item()) for a, b in pairs]
+    return result
+
+
+def decode(out: Path, group) -> dict:
+    whole = qmtp.load()
+    sharded = qmtp.load(group=group)
+    found = {"held": list(sharded.layers[0].mlp.experts.gate_proj.weight.shape),
+             "moe_equal": moe_layers_equal(whole, sharded), "tokens": {}}
+    for n_draft in (1, 2, 3, 4, 5):
+        for temperature in (0.0, 0.8):
+            g = qmtp.generate(sharded, PROMPT, max_tokens=MAX_TOKENS, n_draft=n_draft, temperature=temperature,
+                              seed=SEED)
+            found["tokens"][f"{n_draft}/{temperature}"] = g.tokens
+    for temperature in (0.0, 0.8):
+        g = qmtp.generate(sharded, PROMPT, max_tokens=MAX_TOKENS, n_draft="auto", temperature=temperature, seed=SEED)
+        found["tokens"][f"auto/{temperature}"] = g.tokens
+        found[f"auto_widths/{temperature}"] = g.stats.widths
+        # One process with the same step costs makes the same width choices; here, where the costs are known,
+        # it is compared directly (the pytest process cannot know what rank 0 timed). Costs are keyed by the
+        # drafter, so the sharded model's are re-keyed to the whole model's head (in __dict__, where
+        # `speculative.step_costs` keeps them: a dict set as a Module attribute would become a child module).
+        whole.__dict__["_step_costs"] = {(id(whole.mtp), *key[1:]): costs
+                                         for key, costs in sharded.__dict__["_step_costs"].items()}
+        alone = qmtp.generate(whole, PROMPT, max_tokens=MAX_TOKENS, n_draft="auto", temperature=temperature, seed=SEED)
+        found[f"auto_alone/{temperature}"] = alone.tokens
+        found[f"auto_alone_widths/{temperature}"] = alone.stats.widths
+    return found
+
+
+def load(paths: list[str], group) -> dict:
+    try:
+        qmtp.load(paths[group.rank()], group=group)
+    except DistributedError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    group = mx.distributed.init(strict=True)
+    found = decode(out, group) if mode == "decode" else load(sys.argv[3:], group)
+    found["rank"], found["size"] = group.rank(), group.size()
+    (out / f"rank{group.rank()}.json").write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

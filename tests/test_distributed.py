@@ -1,0 +1,133 @@
+"""Expert parallelism (qmtp.parallel) on two ranks of MLX's ring backend on localhost, started by mlx.launch.
+
+Each test starts the ranks as a subprocess (`qmtp.launch.run`, bounded in time: a hang fails the test, it does
+not stall the suite); tests/ep_worker.py is what each rank runs, and it writes what it found to a JSON file.
+"""
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import qmtp
+from qmtp import launch
+from qmtp.loading import BUNDLED_MODEL
+
+WORKER = str(Path(__file__).with_name("ep_worker.py"))
+PROMPT, MAX_TOKENS, SEED = "Once upon a time", 24, 3
+
+
+def run_ranks(ranks: int, *args, timeout: float = 120) -> tuple[int, str, list[dict]]:
+    out_dir = Path(args[1])
+    out, err = io.StringIO(), io.StringIO()
+    code = launch.run([WORKER, *map(str, args)], ranks=ranks, timeout=timeout, out=out, err=err)
+    found = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(ranks)
+             if (out_dir / f"rank{r}.json").exists()]
+    return code, out.getvalue() + err.getvalue(), found
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("ep")
+    code, output, found = run_ranks(2, "decode", out_dir, timeout=400)
+    assert code == 0 and len(found) == 2, output[-3000:]
+    return found
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_of_the_experts(two_ranks):
+    E = qmtp.load(tokenizer=False).config.num_experts
+    for found in two_ranks:
+        assert found["held"][0] == E // 2
+
+
+@pytest.mark.slow
+def test_every_moe_layer_equals_the_single_process_bit_for_bit(two_ranks):
+    for found in two_ranks:
+        for tokens, equal in found["moe_equal"].items():
+            assert all(equal), f"rank {found['rank']}, {tokens} tokens: layers differing {equal}"
+
+
+@pytest.mark.slow
+def test_two_ranks_generate_the_single_process_tokens(two_ranks):
+    whole = qmtp.load()  # this pytest process: one process, no group
+    for n_draft in (1, 2, 3, 4, 5):
+        for temperature in (0.0, 0.8):
+            alone = qmtp.generate(whole, PROMPT, max_tokens=MAX_TOKENS, n_draft=n_draft, temperature=temperature,
+                                  seed=SEED).tokens
+            for found in two_ranks:
+                assert found["tokens"][f"{n_draft}/{temperature}"] == alone, (n_draft, temperature, found["rank"])
+    # greedy decoding emits the plain tokens whatever widths "auto" chose
+    plain = qmtp.generate(whole, PROMPT, max_tokens=MAX_TOKENS, n_draft=1).tokens
+    for found in two_ranks:
+        assert found["tokens"]["auto/0.0"] == plain
+
+
+@pytest.mark.slow
+def test_auto_width_is_decided_once_for_every_rank(two_ranks):
+    rank0, rank1 = two_ranks
+    for temperature in ("0.0", "0.8"):
+        assert rank0[f"auto_widths/{temperature}"] == rank1[f"auto_widths/{temperature}"]
+        assert rank0[f"tokens"][f"auto/{temperature}"] == rank1["tokens"][f"auto/{temperature}"]
+        # one process given rank 0's step costs chooses the same widths and so samples the same tokens
+        assert rank0[f"auto_alone_widths/{temperature}"] == rank0[f"auto_widths/{temperature}"]
+        assert rank0[f"auto_alone/{temperature}"] == rank0["tokens"][f"auto/{temperature}"]
+
+
+def _copy_bundled(where: Path) -> Path:
+    dst = where / "tiny"
+    shutil.copytree(BUNDLED_MODEL, dst)
+    return dst
+
+
+def test_experts_that_do_not_split_evenly_are_an_error_on_every_rank(tmp_path):
+    # the bundled model has 256 experts per layer: 3 ranks cannot hold equal blocks
+    code, output, found = run_ranks(3, "load", tmp_path, BUNDLED_MODEL, BUNDLED_MODEL, BUNDLED_MODEL, timeout=90)
+    assert code == 0 and len(found) == 3, output[-3000:]
+    messages = {f["error"] for f in found}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message is not None and "256 routed experts" in message and "3 ranks" in message
+
+
+def test_ranks_that_opened_different_checkpoints_all_refuse(tmp_path):
+    other = _copy_bundled(tmp_path)
+    config = json.loads((other / "config.json").read_text())
+    config["text_config"]["rms_norm_eps"] = 1e-5  # same tensors, another model
+    (other / "config.json").write_text(json.dumps(config))
+    code, output, found = run_ranks(2, "load", tmp_path, BUNDLED_MODEL, other, timeout=90)
+    assert code == 0 and len(found) == 2, output[-3000:]
+    for f in found:
+        assert f["error"] is not None and "did not open the same checkpoint" in f["error"] and "rank 1" in f["error"]
+
+
+def test_ranks_that_opened_the_same_checkpoint_load(tmp_path):
+    code, output, found = run_ranks(2, "load", tmp_path, BUNDLED_MODEL, _copy_bundled(tmp_path), timeout=90)
+    assert code == 0 and [f["error"] for f in found] == [None, None], output[-3000:]
+
+
+def test_a_rank_that_dies_ends_the_others_with_one_line(tmp_path):
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import sys, time\nimport mlx.core as mx\n"
+        "g = mx.distributed.init(strict=True)\n"
+        "mx.eval(mx.distributed.all_sum(mx.ones(4), group=g))\n"
+        "if g.rank() == 1:\n    sys.exit(3)\n"
+        "mx.eval(mx.distributed.all_sum(mx.ones(4), group=g))\n"  # rank 0 waits on rank 1, which is gone
+        "time.sleep(600)\n")
+    out, err = io.StringIO(), io.StringIO()
+    code = launch.run([str(script)], ranks=2, timeout=60, out=out, err=err)
+    assert code != 0 and code != 124, err.getvalue()
+    lines = [line for line in err.getvalue().splitlines() if line.startswith("qmtp: error:")]
+    assert lines == ["qmtp: error: rank 1 exited with code 3; the other ranks were stopped"], err.getvalue()
+
+
+def test_a_rank_that_hangs_is_ended_at_the_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nimport mlx.core as mx\ng = mx.distributed.init(strict=True)\ntime.sleep(600)\n")
+    err = io.StringIO()
+    code = launch.run([str(script)], ranks=2, timeout=8, out=io.StringIO(), err=err)
+    assert code == 124 and "did not finish within 8 s" in err.getvalue()
