@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
+    chat.add_argument("--ranks", type=positive_int, default=None, metavar="N",
+                      help="spread the routed experts over N ranks on this host (mlx.launch, ring backend, a free port)")
+    chat.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
+                      help="spread them over the hosts of an mlx.launch hostfile instead")
+    chat.add_argument("--timeout", type=float, default=None, metavar="S",
+                      help="with --ranks or --hostfile: end every rank after S seconds (a rank that hangs)")
     convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
     convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
     convert.add_argument("dst", help="directory to write (refused if it exists, unless --force)")
@@ -394,6 +400,53 @@ def _check_n_draft(args, most: int) -> None:
         raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
 
 
+def _ranked(args) -> bool:
+    """True in this process when it is to start ranks rather than be one: --ranks N > 1 or --hostfile, and not
+    already started by `qmtp.launch`."""
+    from . import launch
+
+    return (args.hostfile is not None or (args.ranks or 1) > 1) and not os.environ.get(launch.RANKS_ENV)
+
+
+def _start_ranks(args) -> int:
+    from . import launch
+
+    if args.hostfile is not None and args.ranks is not None:
+        raise UsageError("give --ranks N (this host) or --hostfile FILE (its hosts), not both")
+    if args.hostfile is not None and not args.hostfile.is_file():
+        raise UsageError(f"--hostfile {args.hostfile}: no such file")
+    return launch.run(["-m", "qmtp", *args.argv], args.ranks, args.hostfile, args.timeout,
+                      relay_stdin=args.prompt is None)
+
+
+def _rank_group():
+    """The distributed group of this rank when `qmtp.launch` started it, else None (one process)."""
+    from . import launch
+
+    if not os.environ.get(launch.RANKS_ENV):
+        return None
+    import mlx.core as mx
+
+    return mx.distributed.init(strict=True)
+
+
+def _shared_prompts(group, prompts):
+    """Rank 0's prompts (from `prompts`, its stdin) on every rank: each rank runs every generation together."""
+    import mlx.core as mx
+
+    from . import parallel
+
+    source = iter(prompts) if group.rank() == 0 else None
+    while True:
+        line = next(source, None) if source is not None else None
+        data = line.encode("utf-8") if line is not None else b""
+        length = int(parallel.broadcast([len(data) if line is not None else -1], group)[0])
+        if length < 0:
+            return
+        sent = mx.array(list(data) if group.rank() == 0 else [0] * length, dtype=mx.int32)
+        yield bytes(mx.distributed.all_sum(sent, group=group).tolist()).decode("utf-8")
+
+
 def chat(args) -> int:
     from .loading import load
     from .speculative import MAX_N_DRAFT, generate
@@ -409,12 +462,19 @@ def chat(args) -> int:
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
         raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
     n_draft = args.n_draft if args.use_mtp else 1
-    model = load(args.model)
+    if _ranked(args):
+        return _start_ranks(args)
+    group = _rank_group()
+    if group is not None and group.rank():  # only rank 0 prints; every rank computes every token
+        sys.stdout = open(os.devnull, "w")
+    model = load(args.model, group=group)
     if args.use_mtp:
         model.require_head()
     if model.tokenizer is None:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
     prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
+    if group is not None and args.prompt is None:
+        prompts = _shared_prompts(group, prompts)
     for prompt in prompts:
         print(prompt, end="", flush=True)
         text = TextStream(model.tokenizer)
@@ -434,7 +494,8 @@ def chat(args) -> int:
             if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
                 line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
                          f"damaged: `python -m qmtp doctor MODEL --scan`)")
-        print(line + "]", file=sys.stderr, flush=True)
+        if group is None or group.rank() == 0:
+            print(line + "]", file=sys.stderr, flush=True)
     return 0
 
 
@@ -476,12 +537,15 @@ def _utf8_argument(text: str, flag: str) -> str:
 
 
 def _stdin_prompts():
+    from .launch import END_OF_INPUT, RANKS_ENV
+
     interactive = sys.stdin.isatty()
+    relayed = bool(os.environ.get(RANKS_ENV))  # a rank's stdin, relayed by mlx.launch, never ends by itself
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
         raw = sys.stdin.buffer.readline()
-        if not raw:
+        if not raw or (relayed and raw.rstrip(b"\r\n") == END_OF_INPUT):
             return
         try:
             line = raw.decode("utf-8")
@@ -545,10 +609,15 @@ def main(argv=None) -> int:
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what a rank started by --ranks runs again
         with _one_line_warnings():
             return COMMANDS[args.command](args)
     except QmtpError as err:
-        print(f"qmtp: error: {one_line(str(err))}", file=sys.stderr)
+        from .parallel import DistributedError
+
+        rank = int(os.environ.get("MLX_RANK", 0) or 0)
+        if not (rank and isinstance(err, DistributedError)):  # every rank raises it alike: rank 0 says it
+            print(f"qmtp: error: {'' if not rank else f'rank {rank}: '}{one_line(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return _quiet_broken_pipe()

@@ -31,6 +31,9 @@ from .errors import UsageError
 RANKS_ENV = "QMTP_RANKS"
 # Lines of the ring backend's own report of a lost peer: one per failed send or receive
 NOISE = ("[ring] Socket", "[ring] Too many send/recv errors")
+# mlx.launch relays its stdin to the ranks but never closes theirs: `run` sends this line when its own input
+# ends, and a rank reading prompts stops at it (`qmtp.cli`)
+END_OF_INPUT = b"\x04"
 EXITED = re.compile(r"rank (\d+) exited with code (-?\d+)")
 
 
@@ -80,28 +83,34 @@ def command(argv: list[str], ranks: int | None = None, hostfile=None, port: int 
 
 
 def run(argv: list[str], ranks: int | None = None, hostfile=None, timeout: float | None = None,
-        out=None, err=None) -> int:
+        out=None, err=None, relay_stdin: bool = False) -> int:
     """Run `python argv...` on the ranks; their output goes to `out` / `err` (default this process's), the
     ring's lost-peer noise left out. Returns 0 when every rank did; else one line on `err` and a non-zero code."""
     out, err = out or sys.stdout, err or sys.stderr
     cmd = command(argv, ranks, hostfile)
     # Its own process group: on a timeout or ^C, the launcher and every rank it started are ended together.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=None, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.PIPE if relay_stdin else subprocess.DEVNULL, text=True,
                             errors="replace", start_new_session=True)
-    failures: list[str] = []
+    failures: list[tuple[int, int]] = []  # (rank, exit code), in the order mlx.launch reported them
+    reported = []  # a rank's own one-line "qmtp: error: ..." came through: the summary line would repeat it
 
     def pump(stream, sink, is_err):
         for line in stream:
             if line.startswith(NOISE):
                 continue
             if is_err and "Node with rank" in line:  # mlx.launch's report: kept for the one line at the end
-                failures.extend(f"rank {r} exited with code {c}" for r, c in EXITED.findall(line))
+                failures.extend((int(r), int(c)) for r, c in EXITED.findall(line))
                 continue
+            if is_err and line.startswith("qmtp: error:"):
+                reported.append(line)
             sink.write(line)
             sink.flush()
 
     threads = [threading.Thread(target=pump, args=(proc.stdout, out, False), daemon=True),
                threading.Thread(target=pump, args=(proc.stderr, err, True), daemon=True)]
+    if relay_stdin:
+        threads.append(threading.Thread(target=_relay, args=(proc.stdin,), daemon=True))
     for t in threads:
         t.start()
     started = time.monotonic()
@@ -122,10 +131,24 @@ def run(argv: list[str], ranks: int | None = None, hostfile=None, timeout: float
         t.join(5)
     # mlx.launch itself exits 0 when a rank failed: its own report of the rank is what says so
     if proc.returncode or failures:
-        first = failures[0] if failures else f"mlx.launch exited with code {proc.returncode}"
-        err.write(f"qmtp: error: {first}; the other ranks were stopped\n")
-        return proc.returncode or 1
+        if not reported:
+            first = (f"rank {failures[0][0]} exited with code {failures[0][1]}" if failures
+                     else f"mlx.launch exited with code {proc.returncode}")
+            err.write(f"qmtp: error: {first}; the other ranks were stopped\n")
+        return (failures[0][1] if failures else proc.returncode) or 1
     return 0
+
+
+def _relay(pipe) -> None:
+    """This process's stdin, line by line, to mlx.launch (which copies it to every rank), then END_OF_INPUT."""
+    try:
+        for line in sys.stdin.buffer:
+            pipe.buffer.write(line)
+            pipe.flush()
+        pipe.buffer.write(END_OF_INPUT + b"\n")
+        pipe.flush()
+    except (BrokenPipeError, ValueError, OSError):  # the ranks ended first
+        pass
 
 
 def _end(proc) -> None:

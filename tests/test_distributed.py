@@ -6,7 +6,9 @@ not stall the suite); tests/ep_worker.py is what each rank runs, and it writes w
 
 import io
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +19,19 @@ from qmtp import launch
 from qmtp.loading import BUNDLED_MODEL
 
 WORKER = str(Path(__file__).with_name("ep_worker.py"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks_import_this_checkout():
+    """The ranks (started with this environment) import the qmtp under test, not another installed one."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(REPO)
+    yield
+    if before is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = before
 PROMPT, MAX_TOKENS, SEED = "Once upon a time", 24, 3
 
 
@@ -131,3 +146,27 @@ def test_a_rank_that_hangs_is_ended_at_the_timeout(tmp_path):
     err = io.StringIO()
     code = launch.run([str(script)], ranks=2, timeout=8, out=io.StringIO(), err=err)
     assert code == 124 and "did not finish within 8 s" in err.getvalue()
+
+
+def chat(*argv, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qmtp", "chat", *argv], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_chat_on_ranks_that_cannot_split_the_experts_says_so_in_one_line():
+    done = chat("--max-tokens", "4", "--ranks", "3", "--prompt", "The dog", "--timeout", "120")
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("qmtp: error: ") and "do not split evenly over 3 ranks" in lines[0]
+
+
+@pytest.mark.slow
+def test_chat_on_two_ranks_prints_the_single_process_text_once():
+    args = ("--use-mtp", "--n-draft", "3", "--max-tokens", "20")
+    prompts = "Once upon a time\nThe dog\n"
+    alone = chat(*args, stdin=prompts)
+    ranked = chat(*args, "--ranks", "2", "--timeout", "240", stdin=prompts)
+    assert alone.returncode == 0 and ranked.returncode == 0, ranked.stderr
+    # rank 0 read the prompts and sent them to rank 1; only rank 0 printed, the single process's text
+    assert ranked.stdout == alone.stdout and ranked.stdout.count("Once upon a time") == 1
+    assert ranked.stderr.count("tokens per trunk pass") == 2, ranked.stderr
