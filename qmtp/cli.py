@@ -68,6 +68,15 @@ def json_destination(text: str) -> Path:
     return path
 
 
+def _rank_options(parser) -> None:
+    parser.add_argument("--ranks", type=positive_int, default=None, metavar="N",
+                        help="spread the routed experts over N ranks on this host (mlx.launch, ring backend, a free port)")
+    parser.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
+                        help="spread them over the hosts of an mlx.launch hostfile instead")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="with --ranks or --hostfile: end every rank after S seconds (a rank that hangs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m qmtp", description="Qwen3.6-35B-A3B and its MTP head on MLX.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -83,12 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
-    chat.add_argument("--ranks", type=positive_int, default=None, metavar="N",
-                      help="spread the routed experts over N ranks on this host (mlx.launch, ring backend, a free port)")
-    chat.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
-                      help="spread them over the hosts of an mlx.launch hostfile instead")
-    chat.add_argument("--timeout", type=float, default=None, metavar="S",
-                      help="with --ranks or --hostfile: end every rank after S seconds (a rank that hangs)")
+    _rank_options(chat)
     convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
     convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
     convert.add_argument("dst", help="directory to write (refused if it exists, unless --force)")
@@ -127,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     mtp.add_argument("--prompts", type=positive_int, help="only the first N prompts (a full-size model: 1)")
     mtp.add_argument("--n-draft-max", type=positive_int, default=5)
     mtp.add_argument("--json", type=json_destination, help="also write the results here")
+    _rank_options(mtp)
     mtp.add_argument("--peer", choices=("mlx-vlm",), help="also run this engine's own MTP decoding on the same checkpoint")
     mtp.add_argument("--ablate", type=positive_int, nargs="+", default=(), metavar="N",
                      help="also run the loop at these n_drafts without queueing ahead, and eagerly: what each buys")
@@ -139,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--repeats", type=positive_int, help="interleaved rounds (default 5; 3 with --scaled)")
     decode.add_argument("--prompts", type=positive_int, help="how many prompts (default 5, one per register; 2 with --scaled)")
     decode.add_argument("--json", type=json_destination, help="also write the results here")
+    _rank_options(decode)
     conv = benches.add_parser("convert", help="qmtp convert against mlx_lm.convert and cp on a synthetic checkpoint")
     conv.add_argument("--workdir", type=Path, metavar="DIR",
                       help="keep the synthetic source here and reuse it (default: a temporary folder, removed)")
@@ -330,7 +336,15 @@ def bench(args) -> int:
             args.model = benchmarks.scaled_checkpoint(args.scaled)
         args.max_tokens = args.max_tokens or (16 if scaled else 64)
         args.repeats = args.repeats or (3 if scaled else 5)
-    model = load(args.model)
+    if args.bench == "mtp" and args.peer and (args.ranks or args.hostfile):
+        raise UsageError("bench mtp --peer runs mlx-vlm on the whole model: not with --ranks or --hostfile")
+    if _ranked(args):
+        return _start_ranks(args)
+    group = _rank_group()
+    if group is not None and group.rank():  # only rank 0 prints and writes the JSON
+        sys.stdout = open(os.devnull, "w")
+        args.json = None
+    model = load(args.model, group=group)
     if args.bench == "mtp":
         from .speculative import MAX_N_DRAFT
 
@@ -416,7 +430,7 @@ def _start_ranks(args) -> int:
     if args.hostfile is not None and not args.hostfile.is_file():
         raise UsageError(f"--hostfile {args.hostfile}: no such file")
     return launch.run(["-m", "qmtp", *args.argv], args.ranks, args.hostfile, args.timeout,
-                      relay_stdin=args.prompt is None)
+                      relay_stdin=getattr(args, "prompt", "") is None)
 
 
 def _rank_group():

@@ -137,6 +137,14 @@ def agree(group, digest: bytes, what: str) -> None:
             f"safetensors files or the load's settings): give every rank the same model directory")
 
 
+def rank0_decides(shard: ExpertShard | None):
+    """For a loop whose end depends on a timing (which differs between ranks): None in one process, else a
+    function from this rank's value (a number or a bool) to rank 0's, which every rank then follows."""
+    if shard is None:
+        return None
+    return lambda value: broadcast([value], shard.group)[0]
+
+
 def broadcast(values, group, dtype=mx.float32) -> list:
     """Rank 0's `values` (a list of numbers) on every rank: every other rank sends zeros, so the sum is rank 0's."""
     rank, _ = world(group)

@@ -518,9 +518,6 @@ def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_
             # Ranks time their steps differently; each planner must choose the same width at every step (the
             # ranks run each step together), so all take rank 0's costs: a planner is a function of the costs and
             # of the tokens accepted, and the tokens are the same on every rank.
-            def rank0(value):
-                return parallel.broadcast([value], shard.group)[0]
-
-            timed = adaptive.time_steps(runs, inputs, agree=rank0)
+            timed = adaptive.time_steps(runs, inputs, agree=parallel.rank0_decides(shard))
             costs[key] = dict(zip(widths, parallel.broadcast([timed[n] for n in widths], shard.group)))
     return costs[key]

@@ -67,11 +67,14 @@ def decode(model: Model, prompts: list, max_tokens: int = 64, repeats: int = 5, 
     """
     import mlx_lm
 
-    reference = reference if reference is not None else mlx_lm_model(model.path, model.dtype)
-    engines = {"qmtp": lambda p: _qmtp_decode(model, p, max_tokens),
-               "mlx-lm": lambda p: _mlx_lm_decode(reference, p, max_tokens)}
+    engines = {"qmtp": lambda p: _qmtp_decode(model, p, max_tokens)}
+    # Expert-parallel, qmtp alone: mlx-lm would load the whole model on every rank, and each rank's copy would
+    # run beside the other's, which measures neither engine
+    if model.shard is None:
+        reference = reference if reference is not None else mlx_lm_model(model.path, model.dtype)
+        engines["mlx-lm"] = lambda p: _mlx_lm_decode(reference, p, max_tokens)
     outputs = {name: [run(p)[0] for p in prompts] for name, run in engines.items()}  # warm-up, and the tokens
-    mismatched = [i for i, (a, b) in enumerate(zip(outputs["qmtp"], outputs["mlx-lm"])) if a != b]
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs["qmtp"], outputs.get("mlx-lm", outputs["qmtp"]))) if a != b]
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(repeats):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
@@ -81,7 +84,7 @@ def decode(model: Model, prompts: list, max_tokens: int = 64, repeats: int = 5, 
                 seconds += s
                 tokens += len(out) - 1
             speeds[name].append(tokens / seconds)
-    ratios = [a / b for a, b in zip(speeds["qmtp"], speeds["mlx-lm"])]
+    ratios = [a / b for a, b in zip(speeds["qmtp"], speeds.get("mlx-lm", []))] or [float("nan")]
     return {
         "model": str(model.path),
         "config": _config_summary(model),
@@ -92,6 +95,7 @@ def decode(model: Model, prompts: list, max_tokens: int = 64, repeats: int = 5, 
                            "tokens_per_second_max": max(s), "rounds": s} for name, s in speeds.items()},
         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "same_tokens": not mismatched, "mismatched_prompts": mismatched,
+        "ranks": model.shard.size if model.shard is not None else 1,
     }
 
 
@@ -101,6 +105,9 @@ def decode_table(report: dict) -> str:
     for name, e in report["engines"].items():
         lines.append(f"{name:>8} {e['tokens_per_second']:>8.1f} {e['tokens_per_second_min']:>8.1f}-"
                      f"{e['tokens_per_second_max']:<8.1f}")
+    if "mlx-lm" not in report["engines"]:
+        lines.append(f"expert-parallel over {report['ranks']} ranks: qmtp alone (mlx-lm holds the whole model)")
+        return "\n".join(lines)
     lines.append(f"qmtp/mlx-lm: {report['ratio']:.2f} (per round {report['ratio_min']:.2f} to {report['ratio_max']:.2f}); "
                  f"same greedy tokens: {'yes' if report['same_tokens'] else 'NO, prompts ' + str(report['mismatched_prompts'])}")
     return "\n".join(lines)
@@ -227,32 +234,37 @@ def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30,
     state, last, _ = _prefill(model, model.mtp if k else None, prompt, capacity, n_draft, greedy, "post",
                               mx.random.key(0))
     tokens = mx.array([[last[1][0, 0].item()] * n_draft], mx.int32)
+    from ..parallel import rank0_decides
+
+    agree = rank0_decides(model.shard)  # expert-parallel: every rank times as many calls as rank 0
     verify = mx.compile(lambda s, t: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
-    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats, budget)}
+    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats, budget, agree)}
     if k:
         draft = mx.compile(lambda s, l: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
                            inputs=[model.state])
-        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats, budget) / k
+        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats, budget, agree) / k
     return out
 
 
-def _median_seconds(run, repeats: int, budget: float = 10.0) -> float:
+def _median_seconds(run, repeats: int, budget: float = 10.0, agree=None) -> float:
     """Median seconds of `run` over up to `repeats` timed calls, after warm-up calls (the first traces and
     compiles). At the real model's size a pass can take seconds: the calls stop once they have taken
-    `budget` seconds, after at least three."""
+    `budget` seconds, after at least three. `agree`: ranks running each call together stop when rank 0 does
+    (`parallel.rank0_decides`)."""
+    agree = agree or (lambda value: value)
     warm = []
     for _ in range(3):
         started = time.perf_counter()
         mx.eval(run())
         warm.append(time.perf_counter() - started)
-        if sum(warm) > budget / 2:
+        if agree(sum(warm) > budget / 2):
             break
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         mx.eval(run())
         times.append(time.perf_counter() - started)
-        if len(times) >= 3 and sum(times) > budget:
+        if agree(len(times) >= 3 and sum(times) > budget):
             break
     return statistics.median(times)
 
