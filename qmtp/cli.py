@@ -635,6 +635,14 @@ def main(argv=None) -> int:
         return 2
     except BrokenPipeError:
         return _quiet_broken_pipe()
+    except RuntimeError as err:
+        from .launch import RANKS_ENV
+
+        # A rank whose peer died learns it in its next collective: quietly, since the launcher's one line names
+        # every rank that failed, and the one that died first has said why
+        if os.environ.get(RANKS_ENV) and "[ring]" in str(err):
+            return 1
+        raise
     except OSError as err:  # a file the checks above could not foresee (permissions changed, a disk error)
         where = f"{err.filename}: " if err.filename else ""
         print(f"qmtp: error: {one_line(where + (err.strerror or str(err)))}", file=sys.stderr)

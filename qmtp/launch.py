@@ -132,10 +132,12 @@ def run(argv: list[str], ranks: int | None = None, hostfile=None, timeout: float
     # mlx.launch itself exits 0 when a rank failed: its own report of the rank is what says so
     if proc.returncode or failures:
         if not reported:
-            first = (f"rank {failures[0][0]} exited with code {failures[0][1]}" if failures
-                     else f"mlx.launch exited with code {proc.returncode}")
-            err.write(f"qmtp: error: {first}; the other ranks were stopped\n")
-        return (failures[0][1] if failures else proc.returncode) or 1
+            # Every failed rank, not only the first mlx.launch saw: a rank waiting on one that died fails
+            # itself ("connection to a peer was lost"), sometimes before the launcher notices the first.
+            failed = ", ".join(f"rank {r} exited with code {c}" for r, c in sorted(set(failures)))
+            err.write(f"qmtp: error: {failed or f'mlx.launch exited with code {proc.returncode}'}; the other "
+                      f"ranks were stopped\n")
+        return next((c for _, c in sorted(set(failures)) if c), proc.returncode) or 1
     return 0
 
 

@@ -242,3 +242,22 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
         counts["head_active" if head else "active"] += used
     counts["total"] = counts["trunk"] + counts["head"]
     return counts
+
+
+# ---- expert parallelism (qmtp.parallel): what each of N ranks holds -------------------------------------------
+def per_rank_bytes(report: SizeReport, ranks: int) -> int:
+    """Bytes one of `ranks` expert-parallel ranks holds: its 1/N of every routed-expert stack (trunk and head),
+    and everything else whole (embeddings, attention, DeltaNet, routers, shared experts, norms, lm_head)."""
+    if ranks < 1:
+        raise UsageError(f"ranks={ranks}: give at least 1")
+    routed = report.trunk["routed experts"] + report.head["routed experts"]
+    return report.total_bytes - routed + routed // ranks
+
+
+def fewest_ranks(report: SizeReport, machine_bytes: float, ranks=(1, 2, 4, 8), usable: float = 1.0) -> int | None:
+    """The smallest N in `ranks` whose per-rank weights fit in `usable` x `machine_bytes` (None if none does).
+
+    Weights only: the KV cache, activations, MLX's buffer cache and the operating system need the rest, which
+    is what `usable` < 1 leaves them. N must divide the number of experts (`parallel.ExpertShard`); the
+    family's 256 and 512 are divided by 1, 2, 4 and 8."""
+    return next((n for n in ranks if per_rank_bytes(report, n) <= usable * machine_bytes), None)
