@@ -1,7 +1,8 @@
 """One rank of tests/test_distributed.py, started by `mlx.launch`: writes what it found to OUT/rank{r}.json.
 
-    decode OUT        the bundled model, expert-parallel over the group: each MoE layer against the whole model
-                      loaded in this same process, and the tokens of greedy, sampled and "auto" generations
+    decode OUT [PATH] the model at PATH (default the bundled one), expert-parallel over the group: each MoE layer
+                      against the whole model loaded in this same process, and the tokens of greedy, sampled and
+                      "auto" generations
     load OUT PATH...  qmtp.load(PATH[rank], group=...): the DistributedError it raises, if any
 """
 
@@ -28,14 +29,14 @@ def moe_layers_equal(whole, sharded) -> dict:
     pairs.append((whole.mtp.layers[0].mlp, sharded.mtp.layers[0].mlp))
     result = {}
     for tokens in (1, 3, 6, 40):
-        x = mx.random.normal((tokens, H))
+        x = mx.random.normal((tokens, H)).astype(whole.dtype)
         result[str(tokens)] = [bool(mx.array_equal(a(x), b(x)).item()) for a, b in pairs]
     return result
 
 
-def decode(out: Path, group) -> dict:
-    whole = qmtp.load()
-    sharded = qmtp.load(group=group)
+def decode(out: Path, group, path=None) -> dict:
+    whole = qmtp.load(path)
+    sharded = qmtp.load(path, group=group)
     found = {"held": list(sharded.layers[0].mlp.experts.gate_proj.weight.shape),
              "moe_equal": moe_layers_equal(whole, sharded), "tokens": {}}
     for n_draft in (1, 2, 3, 4, 5):
@@ -70,7 +71,7 @@ def load(paths: list[str], group) -> dict:
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     group = mx.distributed.init(strict=True)
-    found = decode(out, group) if mode == "decode" else load(sys.argv[3:], group)
+    found = decode(out, group, *sys.argv[3:4]) if mode == "decode" else load(sys.argv[3:], group)
     found["rank"], found["size"] = group.rank(), group.size()
     (out / f"rank{group.rank()}.json").write_text(json.dumps(found))
 

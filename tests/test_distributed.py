@@ -44,17 +44,29 @@ def run_ranks(ranks: int, *args, timeout: float = 120) -> tuple[int, str, list[d
     return code, out.getvalue() + err.getvalue(), found
 
 
+@pytest.fixture(scope="module", params=["bundled", "4-bit"])
+def model_path(request, tmp_path_factory):
+    """The bundled model, and its qmtp conversion to 4 bits (head too: quantized expert stacks are split as well)."""
+    if request.param == "bundled":
+        return BUNDLED_MODEL
+    from qmtp.convert import convert
+
+    dst = tmp_path_factory.mktemp("q4") / "tiny-4bit"
+    convert(BUNDLED_MODEL, dst, bits=4, mtp_bits=4, progress=False)
+    return dst
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(model_path, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ep")
-    code, output, found = run_ranks(2, "decode", out_dir, timeout=400)
+    code, output, found = run_ranks(2, "decode", out_dir, model_path, timeout=400)
     assert code == 0 and len(found) == 2, output[-3000:]
     return found
 
 
 @pytest.mark.slow
-def test_each_rank_holds_half_of_the_experts(two_ranks):
-    E = qmtp.load(tokenizer=False).config.num_experts
+def test_each_rank_holds_half_of_the_experts(two_ranks, model_path):
+    E = qmtp.load(model_path, tokenizer=False).config.num_experts
     for found in two_ranks:
         assert found["held"][0] == E // 2
 
@@ -67,8 +79,8 @@ def test_every_moe_layer_equals_the_single_process_bit_for_bit(two_ranks):
 
 
 @pytest.mark.slow
-def test_two_ranks_generate_the_single_process_tokens(two_ranks):
-    whole = qmtp.load()  # this pytest process: one process, no group
+def test_two_ranks_generate_the_single_process_tokens(two_ranks, model_path):
+    whole = qmtp.load(model_path)  # this pytest process: one process, no group
     for n_draft in (1, 2, 3, 4, 5):
         for temperature in (0.0, 0.8):
             alone = qmtp.generate(whole, PROMPT, max_tokens=MAX_TOKENS, n_draft=n_draft, temperature=temperature,
