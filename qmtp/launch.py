@@ -34,7 +34,9 @@ NOISE = ("[ring] Socket", "[ring] Too many send/recv errors")
 # mlx.launch relays its stdin to the ranks but never closes theirs: `run` sends this line when its own input
 # ends, and a rank reading prompts stops at it (`qmtp.cli`)
 END_OF_INPUT = b"\x04"
-EXITED = re.compile(r"rank (\d+) exited with code (-?\d+)")
+EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+LAUNCHER = re.compile(r"\x1b\[33m\[WARN\]|[ \t]*Node with rank \d+ (exited with code -?\d+|was killed)[ \t]*|"
+                      r"[ \t]*\x1b\[0m")
 
 
 def launcher() -> str:
@@ -97,10 +99,15 @@ def run(argv: list[str], ranks: int | None = None, hostfile=None, timeout: float
 
     def pump(stream, sink, is_err):
         for line in stream:
-            if line.startswith(NOISE):
-                continue
-            if is_err and "Node with rank" in line:  # mlx.launch's report: kept for the one line at the end
+            if is_err:
+                # mlx.launch's own reports ("[WARN] Node with rank R exited with code C", or "was killed"), kept
+                # for the one line at the end; printed from its threads piece by piece, they can land in the
+                # middle of a rank's lines
                 failures.extend((int(r), int(c)) for r, c in EXITED.findall(line))
+                line = LAUNCHER.sub("", line)
+                if not line.strip():
+                    continue
+            if line.startswith(NOISE):
                 continue
             if is_err and line.startswith("qmtp: error:"):
                 reported.append(line)
@@ -137,7 +144,10 @@ def run(argv: list[str], ranks: int | None = None, hostfile=None, timeout: float
             failed = ", ".join(f"rank {r} exited with code {c}" for r, c in sorted(set(failures)))
             err.write(f"qmtp: error: {failed or f'mlx.launch exited with code {proc.returncode}'}; the other "
                       f"ranks were stopped\n")
-        return next((c for _, c in sorted(set(failures)) if c), proc.returncode) or 1
+        # the status of a rank that exited by itself (its own error), before that of one stopped by a signal
+        codes = [c for _, c in sorted(set(failures))]
+        own = next((c for c in codes if c > 0), None)
+        return own or next((128 - c for c in codes if c < 0), None) or proc.returncode or 1
     return 0
 
 

@@ -80,12 +80,13 @@ class ExpertShard:
         """x [T, H] through each token's k chosen experts (global ids [T, k]) -> [T, k, H], every entry the output
         of the expert that holds it, gathered from whichever rank that is.
 
-        Experts outside the block are mapped to its nearest end (a monotonic map: indices sorted by expert stay
-        sorted, so `StackedExperts` takes the same path as in one process) and what they compute there is
-        replaced by zeros; `all_sum` then adds, at each entry, one expert's output and N - 1 zeros."""
+        The chosen experts outside the block are all computed with the block's first expert, and what they
+        give is replaced by zeros: the step keeps fixed shapes (one compiled graph), and besides its own share of
+        the pass's experts a rank reads at most that one more. `all_sum` then adds, at each entry, one expert's
+        output and N - 1 zeros."""
         first, stop = self.rows
         mine = (indices >= first) & (indices < stop)
-        local = mx.clip(indices.astype(mx.int32) - first, 0, self.held - 1).astype(indices.dtype)
+        local = mx.where(mine, indices.astype(mx.int32) - first, 0).astype(indices.dtype)
         own = experts(x, local)
         own = mx.where(mine[..., None], own, mx.zeros((), own.dtype))
         return mx.distributed.all_sum(own, group=self.group)

@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 
 import qmtp
@@ -213,3 +215,48 @@ def test_fit_needs_times_that_grow_with_bytes():
         fit_machine([1e6], [1e-3])
     with pytest.raises(ValueError):
         fit_machine([1e6, 2e6], [2e-3, 1e-3])
+
+
+# ---- experts over N machines ----------------------------------------------------------------------------------
+def test_busiest_rank_of_one_is_the_whole_union():
+    for n in (1, 2, 5):
+        assert throughput.busiest_rank_experts(256, 8, n, 1) == pytest.approx(throughput.expected_union(256, 8, n))
+
+
+@pytest.mark.parametrize("ranks,n_tokens", [(2, 1), (2, 3), (4, 2), (8, 5)])
+def test_busiest_rank_matches_simulated_routing(ranks, n_tokens):
+    """Independent uniform top-k routing simulated: the busiest rank's distinct experts, plus its block's first
+    expert when a chosen expert lies outside the block and the first is not chosen (`parallel.ExpertShard`)."""
+    E, k = 256, 8
+    rng = np.random.default_rng(0)
+    held = E // ranks
+    totals = []
+    for _ in range(4000):
+        chosen = np.zeros(E, bool)
+        for _ in range(n_tokens):
+            chosen[rng.choice(E, k, replace=False)] = True
+        per_rank = [chosen[r * held:(r + 1) * held].sum() + (not chosen[r * held] and chosen.sum() > chosen[r * held:(r + 1) * held].sum())
+                    for r in range(ranks)]
+        totals.append(max(per_rank))
+    assert throughput.busiest_rank_experts(E, k, n_tokens, ranks) == pytest.approx(np.mean(totals), rel=0.05)
+
+
+def test_one_rank_pass_is_the_single_machine_pass():
+    from qmtp.config import QWEN36_35B_A3B
+
+    report = sizes(QWEN36_35B_A3B, 4)
+    machine = throughput.Machine(100e9, 1e-3)
+    for n in (1, 3):
+        alone = machine.seconds(throughput.total(throughput.trunk_pass_bytes(QWEN36_35B_A3B, report, n, 512)))
+        assert throughput.parallel_pass_seconds(QWEN36_35B_A3B, report, n, 1, machine, 1.0, 512) == pytest.approx(alone)
+
+
+def test_spreading_the_experts_shrinks_the_verify_pass_more_than_the_plain_one():
+    from qmtp.config import QWEN36_35B_A3B
+
+    report = sizes(QWEN36_35B_A3B, 4)
+    machine = throughput.Machine(100e9)
+    cost = {N: [throughput.parallel_pass_seconds(QWEN36_35B_A3B, report, n, N, machine, 0.0) for n in (1, 4)]
+            for N in (1, 4)}
+    # what each extra verified token costs over a plain pass falls when each machine reads 1/N of the union
+    assert cost[4][1] - cost[4][0] < (cost[1][1] - cost[1][0]) / 2
