@@ -40,6 +40,7 @@
 # :::
 
 # %% tags=["hide-input"]
+import inspect
 import json
 import tempfile
 import textwrap
@@ -88,9 +89,39 @@ def listing(ckpt, prefix):
             if n.startswith(prefix)]
 
 
-Markdown("**Layer 0's experts, as released**\n\n" + inventory.markdown_table(listing(source, "model.language_model.layers.0.mlp.experts"), ["tensor", "dtype", "shape"])
-         + "\n\n**Layer 0's experts, converted**\n\n" + inventory.markdown_table(listing(converted, "language_model.model.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"])
-         + "\n\n**The head's experts, converted (bf16)**\n\n" + inventory.markdown_table(listing(converted, "mtp.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"]))
+columns = ["tensor", "dtype", "shape"]
+tiny_config = qmtp.ModelConfig.from_file(path)
+# the group size the conversion above used: convert's default
+group_size = inspect.signature(convert).parameters["group_size"].default
+real_inter = qmtp.QWEN36_35B_A3B.moe_intermediate_size
+glue("group_size", group_size, display=False)
+glue("tiny_moe_inter", tiny_config.moe_intermediate_size, display=False)
+glue("real_moe_inter", real_inter, display=False)
+glue("real_down_groups", real_inter // group_size, display=False)
+down_quantized = tiny_config.moe_intermediate_size % group_size == 0
+glue("down_proj_quantized", "is" if down_quantized else "is not", display=False)
+glue("down_proj_outcome",
+     "is quantized like gate_proj and up_proj" if down_quantized else
+     "is still bf16, while gate_proj and up_proj, whose input is the hidden state, "
+     "are quantized", display=False)
+released = listing(source, "model.language_model.layers.0.mlp.experts")
+trunk_experts = listing(converted, "language_model.model.layers.0.mlp.switch_mlp")
+head_experts = listing(converted, "mtp.layers.0.mlp.switch_mlp")
+Markdown(
+    "**Layer 0's experts, as released**\n\n"
+    + inventory.markdown_table(released, columns)
+    + "\n\n**Layer 0's experts, converted**\n\n"
+    + inventory.markdown_table(trunk_experts, columns)
+    + "\n\n**The head's experts, converted (bf16)**\n\n"
+    + inventory.markdown_table(head_experts, columns))
+
+# %% [markdown]
+# A weight is quantized in groups of {glue:text}`group_size` values along its input (last) dimension, so only a
+# weight whose input dimension is a multiple of the group size can be; any other stays bf16. An expert's
+# `down_proj` takes the expert's intermediate activations as input: {glue:text}`tiny_moe_inter` values wide in
+# this model, which {glue:text}`down_proj_quantized` a multiple of {glue:text}`group_size`: that is why the
+# converted `down_proj` above {glue:text}`down_proj_outcome`. The real model's experts are {glue:text}`real_moe_inter` wide, {glue:text}`real_down_groups`
+# groups: there every expert projection is quantized.
 
 # %% [markdown]
 # ## The metadata
@@ -196,9 +227,11 @@ saved = results.save("03_converting", path, {
 # `switch_mlp`, a `quantization` block in `config.json`, the router at 8 bits, the norms shifted in float32,
 # the tokenizer files copied. Where the two differ, qmtp follows mlx-lm or what this book measures:
 #
-# - **the head's width**: the seed quantizes the head at `--bits`; qmtp keeps it in bf16 (`mtp_bits=None`,
-#   chapter 4 measures what quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at
-#   the router width, as in the trunk;
+# - **the head's width**: the seed's converter quantizes the head at `--bits` unless it is given `--mtp-bits 0`
+#   (its `examples/convert.cpp`: `mtp_bits` defaults to `bits`), although the seed's model card recommends a
+#   bf16 head; qmtp keeps the head in bf16 unless asked otherwise (`mtp_bits=None`; chapter 4 measures what
+#   quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at the router width, as
+#   in the trunk;
 # - **`lm_head`**: the seed defaults to 8 bits, qmtp to `bits`, as mlx-lm does (`lm_head_bits=8` gives the
 #   seed's);
 # - **`shared_expert_gate`**: the seed's router rule matches only `mlp.gate`, so it quantizes this `[1, H]` gate

@@ -78,12 +78,29 @@ glue("g_max", float(group.max()), display=False)
 glue("g_scale", float(scales.ravel()[0]), display=False)
 glue("g_bias", float(biases.ravel()[0]), display=False)
 glue("g_err", float(np.abs(decoded - group).max()), display=False)
+# The grid starts at the bias and ends (2^bits - 1) steps later; the step was nudged to put zero on a code,
+# so the grid's far end need not reach the group's other extreme: values past it are clipped to the last code.
+step = float(scales.ravel()[0])
+grid_end = float(biases.ravel()[0]) + (2**4 - 1) * step
+far_extreme = float(group.max()) if step > 0 else float(group.min())
+glue("g_half_step", abs(step) / 2, display=False)
+glue("g_grid_end", grid_end, display=False)
+glue("g_far", far_extreme, display=False)
+glue("g_clip", abs(far_extreme - grid_end), display=False)
+clipped = abs(abs(far_extreme - grid_end) - float(np.abs(decoded - group).max())) < 1e-6
+glue("g_err_explained", "the value clipped at the far end" if clipped else
+     "a value rounded inside the grid", display=False)
 print("first codes:", codes.ravel()[:12], "\nvalues:     ", np.round(group.ravel()[:6], 4), "\nread back:  ", np.round(decoded.ravel()[:6], 4))
 
 # %% [markdown]
 # The group spans {glue:text}`g_min:.4f` to {glue:text}`g_max:.4f`; its scale is {glue:text}`g_scale:.5f`
 # and its bias {glue:text}`g_bias:.4f`, and no value is read back further than {glue:text}`g_err:.5f`
-# from where it was.
+# from where it was. That is more than half a step ({glue:text}`g_half_step:.5f`), the most that rounding to
+# the nearest code could cost. The extra comes from the nudge: fifteen steps of the nudged size from the bias
+# end at {glue:text}`g_grid_end:.4f`, short of the group's other extreme, {glue:text}`g_far:.4f`, so the
+# values beyond the grid's end are clipped to the last code, and the largest error,
+# {glue:text}`g_clip:.5f`, is {glue:text}`g_err_explained`. Anchoring zero and the edge exactly is bought with
+# a larger error at the far end of the group.
 #
 # ## How the codes are packed
 #
@@ -91,9 +108,14 @@ print("first codes:", codes.ravel()[:12], "\nvalues:     ", np.round(group.ravel
 # fit eight to a word; six-bit codes do not divide 32, so some straddle two words: a reader that assumes
 # `32 / bits` codes per word corrupts them.
 
-# %%
+# %% mystnb={"figure": {"caption": "Sixteen 4-bit codes in little-endian 32-bit words: {glue:text}`per_word_4` codes fill each word exactly, so no code crosses a word boundary.", "name": "fig-pack-4"}}
 fig = plots.bit_packing(4)
+glue("per_word_4", 32 // 4, display=False)
+
+# %% mystnb={"figure": {"caption": "Sixteen 6-bit codes in the same words: 32 is not a multiple of 6, so codes {glue:text}`split_6` each have their low bits at the top of one word and their high bits at the bottom of the next, and a reader that assumes 32 / bits codes per word corrupts them.", "name": "fig-pack-6"}}
 fig = plots.bit_packing(6)
+split = [c for c in range(16) if (6 * c) // 32 != (6 * c + 5) // 32]
+glue("split_6", " and ".join(map(str, split)), display=False)
 
 # %% [markdown]
 # ## The numpy reference agrees with MLX bit for bit
@@ -184,14 +206,19 @@ table += [{"trunk bits": b, "trunk MB": m["trunk_bytes"] / 1e6, "perplexity": m[
            "acceptance": m["acceptance_n_draft_2"]} for b, m in trunk.items()]
 Markdown(inventory.markdown_table(table, list(table[0]), {"trunk MB": "{:.2f}", "perplexity": "{:.2f}", "acceptance": "{:.3f}"}))
 
-# %% mystnb={"figure": {"caption": "Held-out perplexity and acceptance at n_draft 2 for each trunk width, each width a conversion of this model (head in bf16); the sizes are in the table above it.", "name": "fig-trunk-widths"}}
+# %% mystnb={"figure": {"caption": "Each trunk width a conversion of this model, the head in bf16 (sizes in the table above). Left: held-out perplexity, {glue:text}`trunk_ppl_8:.2f` at 8 bits, {glue:text}`trunk_ppl_4:.2f` at 4 and {glue:text}`trunk_ppl_2:.2f` at 2. Right: acceptance at n_draft 2, which falls sooner, from {glue:text}`trunk_8_acc:.3f` at 8 bits to {glue:text}`trunk_4_acc:.3f` at 4 and {glue:text}`trunk_2_acc:.3f` at 2.", "name": "fig-trunk-widths"}}
 fig = plots.width_curves(trunk, "trunk bits")
+for bits in (8, 4, 2):
+    glue(f"trunk_ppl_{bits}", trunk[bits]["perplexity"], display=False)
+    glue(f"trunk_{bits}_acc", trunk[bits]["acceptance_n_draft_2"], display=False)
 
 # %% [markdown]
 # ## Does the head need bf16?
 #
-# The seed keeps the head in bf16. The trunk at 8 bits, the head at each width: the head's drafts are
-# only useful while they agree with the trunk, so what matters is acceptance ({numref}`fig-head-widths`).
+# The seed's model card says to keep the head in bf16, while the seed's converter quantizes it at `--bits`
+# unless told otherwise (chapter 3); qmtp keeps it in bf16 unless `mtp_bits` is given. The trunk at 8 bits,
+# the head at each width: the head's drafts are only useful while they agree with the trunk, so what matters
+# is acceptance ({numref}`fig-head-widths`).
 
 # %%
 if FULL:  # the head of chapter 3's conversion, rounded in memory at each width
@@ -209,21 +236,35 @@ Markdown(inventory.markdown_table(
     [{"head": w, "head MB": m["head_bytes"] / 1e6, "acceptance": m["acceptance_n_draft_2"]} for w, m in head.items()],
     ["head", "head MB", "acceptance"], {"head MB": "{:.2f}", "acceptance": "{:.3f}"}))
 
-# %% mystnb={"figure": {"caption": "Held-out perplexity and acceptance at n_draft 2 for each head width, the trunk at 8 bits: the head's drafts count only while the trunk accepts them.", "name": "fig-head-widths"}}
+# %% mystnb={"figure": {"caption": "Each head width with the trunk at 8 bits. Left: the trunk's held-out perplexity, which the head's width cannot change. Right: acceptance at n_draft 2, {glue:text}`head_bf16_acc:.3f` with the head in bf16, {glue:text}`head_4_acc:.3f` at 4 bits and {glue:text}`head_3_acc:.3f` at 3: on this model the head's width hardly matters down to 4 bits.", "name": "fig-head-widths"}}
 fig = plots.width_curves(head, "head bits")
 
 # %%
 glue("head_bf16_acc", head["bf16"]["acceptance_n_draft_2"], display=False)
 glue("head_3_acc", head[3]["acceptance_n_draft_2"], display=False)
 glue("head_4_acc", head[4]["acceptance_n_draft_2"], display=False)
-glue("trunk_2_acc", trunk[2]["acceptance_n_draft_2"], display=False)
+trunk_acc = {b: m["acceptance_n_draft_2"] for b, m in trunk.items()}
+head_acc = {w: m["acceptance_n_draft_2"] for w, m in head.items()}
+glue("trunk_4_drop", trunk_acc[8] - trunk_acc[4], display=False)
+glue("head_4_drop", head_acc["bf16"] - head_acc[4], display=False)
+glue("trunk_4_ppl_rise", trunk[4]["perplexity"] / trunk[8]["perplexity"] - 1,
+     display=False)
 
 # %% [markdown]
 # On this model the head's width hardly matters: its drafts are accepted {glue:text}`head_bf16_acc:.3f`
 # of the time in bf16, {glue:text}`head_4_acc:.3f` at 4 bits and {glue:text}`head_3_acc:.3f` at 3 bits,
-# while a 2-bit trunk brings acceptance down to {glue:text}`trunk_2_acc:.3f`. So the seed's rule is not
-# borne out here; the tiny model's head is small and its task easy, and whether the real head tolerates
-# 4 bits as well is not something this model can show.
+# while a 2-bit trunk brings acceptance down to {glue:text}`trunk_2_acc:.3f`.
+#
+# Set the two 4-bit choices side by side. Taking the trunk from 8 to 4 bits costs
+# {glue:text}`trunk_4_drop:.3f` of acceptance (from {glue:text}`trunk_8_acc:.3f` to
+# {glue:text}`trunk_4_acc:.3f`), although its perplexity rises by only {glue:text}`trunk_4_ppl_rise:.1%`;
+# taking the head from bf16 to 4 bits costs {glue:text}`head_4_drop:.3f`. A drafter is judged on whether it
+# agrees with its verifier, and a 4-bit trunk changes both sides at once: the head reads the quantized
+# trunk's hidden state, which it was not trained on, and is checked against the quantized trunk's choices,
+# where a small shift in the logits flips a near-tie. A 4-bit head changes only the drafter. So on this model
+# the trunk's width, not the head's, decides acceptance, and the seed's rule is not borne out here; the tiny
+# model's head is small and its task easy, and whether the real head tolerates 4 bits as well is not something
+# this model can show.
 
 # %% [markdown]
 # ## Checking the backend

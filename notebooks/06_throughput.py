@@ -44,7 +44,7 @@
 # **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
-# %%
+# %% tags=["hide-input"]
 import os
 
 import qmtp
@@ -114,6 +114,8 @@ glue("union_verdict", "The measured union is close to the formula: neighbouring 
      "pass reads clearly fewer expert bytes than n separate passes", display=False)
 glue("tiny_E", E, display=False)
 glue("tiny_k", k, display=False)
+
+# %% mystnb={"figure": {"caption": "Distinct experts a verify pass read in each MoE layer of the tiny model (dots, one per layer), against the formula for independent routing (red line) and the bound if no two tokens shared an expert (dashed): {glue:text}`union_n5_measured:.1f` experts per layer measured for five tokens, {glue:text}`union_n5_formula:.1f` from the formula.", "name": "fig-expert-union"}}
 fig = plots.expert_union(report, E, k)
 
 # %% [markdown]
@@ -133,9 +135,10 @@ fig = plots.expert_union(report, E, k)
 # $$t = \frac{\text{bytes}}{\text{bandwidth}} + \text{overhead},$$
 #
 # the overhead being what a pass costs whatever its width (launching kernels, Python, waiting for the
-# host). For the real Qwen3.6-35B-A3B at {glue:text}`real_bits`-bit and a {glue:text}`context`-token context:
+# host). For the real Qwen3.6-35B-A3B, trunk and head both at {glue:text}`real_bits` bits (the head at the
+# trunk's width, as the seed's converter writes it by default), and a {glue:text}`context`-token context:
 
-# %%
+# %% mystnb={"figure": {"caption": "What one pass of the real Qwen3.6-35B-A3B reads, trunk and head at {glue:text}`real_bits` bits, with a {glue:text}`context`-token context, by term, computed from its config: {glue:text}`real_gb_token:.2f` GB for one token, of which routed experts are {glue:text}`real_expert_share:.0%`; {glue:text}`real_gb_verify2:.2f` GB for a verify pass over two tokens; {glue:text}`real_gb_head:.2f` GB for one step of the head, most of it lm_head.", "name": "fig-bytes-per-pass"}}
 CONTEXT, BANDWIDTH, BITS = 4096, 256 * throughput.GB, 4
 real4 = sizes(QWEN36_35B_A3B, BITS, mtp_bits=BITS)
 glue("real_bits", BITS, display=False)
@@ -157,13 +160,16 @@ glue("real_gb_head", throughput.total(passes["head step"]) / 1e9, display=False)
 glue("real_expert_share", passes["1 token"]["routed experts"] / one_token, display=False)
 glue("real_ms_token", one_token / BANDWIDTH * 1e3, display=False)
 glue("real_tps_bound", BANDWIDTH / one_token, display=False)
+bf16_head = throughput.head_step_bytes(QWEN36_35B_A3B, sizes(QWEN36_35B_A3B, BITS), CONTEXT)
+glue("real_gb_head_bf16", throughput.total(bf16_head) / 1e9, display=False)
 
 # %% [markdown]
 # One token reads {glue:text}`real_gb_token:.2f` GB, {glue:text}`real_expert_share:.0%` of it routed
 # experts: at {glue:text}`bandwidth_gb:.0f` GB/s (a unified-memory APU) that is {glue:text}`real_ms_token:.1f` ms, at most
 # {glue:text}`real_tps_bound:.0f` tokens/s. A verify pass over two tokens reads
 # {glue:text}`real_gb_verify2:.2f` GB, and each head step another {glue:text}`real_gb_head:.2f` GB, most of
-# it lm_head.
+# it lm_head; with the head kept in bf16, as this book recommends, a head step reads
+# {glue:text}`real_gb_head_bf16:.2f` GB. The predictions below keep the head at the trunk's width.
 #
 # ## Predicted speedup: the MoE against a dense model
 #
@@ -180,7 +186,6 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 
 # %%
 rows = throughput.real_model_table(bits=(4, 8), bandwidth=BANDWIDTH, context=CONTEXT)
-fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 
 
 def row(bits, model_kind, n):
@@ -211,6 +216,9 @@ glue("claim_high", CLAIMS["speedup_moe"].value[1], display=False)
 radeon = CLAIMS["speedup_radeon_890m"].value
 glue("claim_radeon", radeon[1] / radeon[0], display=False)
 
+# %% mystnb={"figure": {"caption": "Predicted speedup over plain decoding for the real model's config on a purely memory-bound machine at {glue:text}`bandwidth_gb:.0f` GB/s, with the reported acceptance: the MoE (solid) at best {glue:text}`moe_best:.2f`x, at n_draft {glue:text}`moe_best_n`, a dense model of the same active size (dashed) up to {glue:text}`dense4_best:.2f`x at 4 bits; the grey band is the {glue:text}`claim_low:.1f`x to {glue:text}`claim_high:.1f`x reported for A3B MoE models.", "name": "fig-predicted-speedups"}}
+fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
+
 # %% [markdown]
 # On paper the MoE gains {glue:text}`moe4_n2:.2f`x at `n_draft=2` (4-bit; {glue:text}`moe8_n2:.2f`x at 8-bit)
 # and at best {glue:text}`moe_best:.2f`x (`n_draft` = {glue:text}`moe_best_n`); by `n_draft=5` the growing
@@ -231,7 +239,6 @@ glue("claim_radeon", radeon[1] / radeon[0], display=False)
 
 # %%
 cost = report["cost_model"]
-fig = plots.measured_vs_predicted(report)
 display(Markdown(inventory.markdown_table(
     [{"n_draft": p["n_draft"], "tokens/pass": p["tokens_per_pass"], "ms/step predicted": p["predicted_step_seconds"] * 1e3,
       "ms/step measured": p["measured_step_seconds"] * 1e3, "tok/s": by_n[p["n_draft"]]["tokens_per_second"],
@@ -260,6 +267,9 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
      if best["speedup_vs_plain"] > 1 else
      f"drafting does not pay here: even the best n_draft ({best['n_draft']}) runs at "
      f"{best['speedup_vs_plain']:.2f}x of plain decoding", display=False)
+
+# %% mystnb={"figure": {"caption": "The tiny model on this machine: measured speedup over plain decoding at each n_draft (bars; whiskers the slowest and fastest rounds), the fitted cost model's prediction (red dots) and the tokens per pass that bound both (grey): {glue:text}`tiny_meas_n2:.2f`x measured at n_draft 2 against {glue:text}`tiny_pred_n2:.2f`x predicted, and {glue:text}`tiny_verdict`.", "name": "fig-measured-vs-predicted"}}
+fig = plots.measured_vs_predicted(report)
 
 # %% [markdown]
 # A plain pass of the tiny model reads {glue:text}`tiny_mb_pass:.1f` MB in {glue:text}`tiny_pass_ms:.1f` ms;
