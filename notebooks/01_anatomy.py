@@ -60,7 +60,8 @@ rows = inventory.by_category(path)
 for row in rows:
     row["size"] = inventory.human_bytes(row["bytes"])
     row["params"] = inventory.human_count(row["parameters"])
-Markdown(inventory.markdown_table(rows, ["part", "category", "tensors", "params", "size"]))
+Markdown(inventory.markdown_table(rows, ["part", "category", "tensors", "params",
+                                         "size"]))
 
 # %%
 config = qmtp.ModelConfig.from_file(path)
@@ -68,7 +69,8 @@ counts = sizes.parameter_counts(config)
 glue("active_share", 100 * counts["active"] / counts["total"], display=False)
 glue("head_share", 100 * counts["head"] / counts["total"], display=False)
 Markdown(inventory.markdown_table(
-    [{"what": k, "parameters": inventory.human_count(v)} for k, v in counts.items()], ["what", "parameters"]))
+    [{"what": k, "parameters": inventory.human_count(v)} for k, v in counts.items()],
+    ["what", "parameters"]))
 
 # %% [markdown]
 # Of all parameters, {glue:text}`active_share:.1f`% take part in one token's forward pass (the "A" in
@@ -111,7 +113,8 @@ Markdown(inventory.markdown_table(variant_rows, list(variant_rows[0]), {
     "total GiB": "{:.1f}"}))
 
 # %%
-head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9 for w in (None, 8, 6, 4)}
+head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9
+              for w in (None, 8, 6, 4)}
 glue("real_total", real_counts["total"] / 1e9, display=False)
 glue("real_active", real_counts["active"] / 1e9, display=False)
 glue("head_bf16_gb", head_sizes[None], display=False)

@@ -184,23 +184,30 @@ previous = evaluate.previous_head(model)
 if previous is not None:
     heads = {"previous head": previous, "chained-trained head": None}
     compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
-    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} {'tokens/pass':>11} {'speed vs previous':>17}")
+    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
+          f"{'tokens/pass':>11} {'speed vs previous':>17}")
     for n in range(2, 6):
         for label in heads:
             r = compared[label][n]
             per = ", ".join(f"{a:.2f}" for a in r["per_position"])
-            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} {r['speed_ratio_to_first']:>17.2f}")
+            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
+                  f"{r['speed_ratio_to_first']:>17.2f}")
     old, new = compared["previous head"], compared["chained-trained head"]
     head_glue = {
-        "old_n3_first": old[3]["per_position"][0], "new_n3_first": new[3]["per_position"][0],
-        "old_n3_second": old[3]["per_position"][1], "new_n3_second": new[3]["per_position"][1],
-        "old_tpp_n4": old[4]["tokens_per_trunk_pass"], "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
-        "speed_ratio_n4": new[4]["speed_ratio_to_first"], "speed_ratio_n5": new[5]["speed_ratio_to_first"],
+        "old_n3_first": old[3]["per_position"][0],
+        "new_n3_first": new[3]["per_position"][0],
+        "old_n3_second": old[3]["per_position"][1],
+        "new_n3_second": new[3]["per_position"][1],
+        "old_tpp_n4": old[4]["tokens_per_trunk_pass"],
+        "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
+        "speed_ratio_n4": new[4]["speed_ratio_to_first"],
+        "speed_ratio_n5": new[5]["speed_ratio_to_first"],
     }
-else:  # a model without a kept previous head (real weights): nothing to set side by side
+else:  # no previous head kept beside the model (real weights): nothing to compare
     compared = None
-    head_glue = dict.fromkeys(["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
-                               "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+    head_glue = dict.fromkeys(
+        ["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
+         "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
     print(f"{path} keeps no previous head: the comparison needs the bundled model")
 for name, value in head_glue.items():
     glue(name, value, display=False)
@@ -284,14 +291,16 @@ widgets.step_explorer(example, model.tokenizer)
 saved = results.save("05_mtp_decoding", path, {
     "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
     "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
-    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()},
+    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"]
+                              for n, r in by_n.items()},
     "ablation": ablation,
     "per_register": per_register,
     "lossless_mismatches": mismatches,
     "lossless_checks": len(N_DRAFTS) * len(prompts),
     "machine": machine.describe(),
     "previous_head": None if compared is None else {
-        label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
+        label: {str(n): r for n, r in by_head.items()}
+        for label, by_head in compared.items()},
 })
 
 # %% [markdown]
