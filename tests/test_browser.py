@@ -7,6 +7,8 @@ And each page must read as a book's page does (book/_ext/book_pages.py and its s
 
 - nothing in the text column wider than the column: no code block, output, table, figure or image that runs
   past its right edge, nor one that hides part of itself behind a scroll bar or `overflow: hidden`;
+- a line of 88 characters, the width the package's functions and the chapters' code are formatted to, fits
+  every code block without wrapping;
 - every image a figure with a caption (numbered by Sphinx), and alt text that says what it shows: not empty,
   not a file name;
 - no character that a browser draws from a colour-emoji font (Debian's chromium has none by default and
@@ -227,6 +229,20 @@ TOO_WIDE_JS = """() => {
   return found;
 }"""
 
+# The package's functions and the chapters' code are formatted to 88 columns: a line that long must fit
+# every code block without wrapping.
+CODE_COLUMNS = 88
+CODE_FITS_JS = """(columns) => [...document.querySelectorAll("article div.highlight pre")].filter(pre => {
+  const probe = document.createElement("span");
+  probe.textContent = "x".repeat(columns);
+  pre.appendChild(probe);
+  const s = getComputedStyle(pre);
+  const room = pre.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight);
+  const wide = probe.getBoundingClientRect().width > room + 0.5;
+  probe.remove();
+  return wide && pre.getBoundingClientRect().width;
+}).slice(0, 3).map(pre => JSON.stringify(pre.textContent.trim().slice(0, 40)))"""
+
 FIGURES_JS = r"""() => {
   const column = document.querySelector("article.bd-article") || document.querySelector("main");
   const problems = [];
@@ -293,6 +309,8 @@ def check_page(reading: Reading) -> None:
             problems.append(f"{widgets['views'] - widgets['rendered']} of {widgets['views']} widgets not rendered")
 
     problems += [f"wider than the text column at {WIDTH} px: {w}" for w in page.evaluate(TOO_WIDE_JS)]
+    problems += [f"a line of {CODE_COLUMNS} characters wraps in the code block {t}"
+                 for t in page.evaluate(CODE_FITS_JS, CODE_COLUMNS)]
     problems += page.evaluate(FIGURES_JS)
     emoji = sorted(set(EMOJI.findall(page.evaluate(TEXT_JS))))
     if emoji:
