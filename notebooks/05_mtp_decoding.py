@@ -153,7 +153,7 @@ assert mismatches == 0
 # A draft at position `i` is proposed only when the drafts before it were accepted; its acceptance is
 # counted over those occasions.
 
-# %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft; the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2 and each later position less often, whatever n_draft. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at {glue:text}`n_wide`.", "name": "fig-acceptance-position"}}
+# %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft, nudged sideways so that none hides another: the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2, the second {glue:text}`acc_n3_second:.2f` of the times it is proposed at n_draft 3. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at {glue:text}`n_wide`.", "name": "fig-acceptance-position"}}
 by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
         for n in N_DRAFTS}
 fig = plots.acceptance_by_position(by_n)
