@@ -52,13 +52,19 @@ from IPython.display import Markdown
 from myst_nb import glue
 from qmtp.book import budget, evaluate, inventory, mistakes, results
 
-warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
+warnings.simplefilter(
+    "ignore", UserWarning
+)  # the loader warns about every fix left out: the point here
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release: see qmtp.book.budget
 load_options = dict(layers=budget.LAYERS, head=False) if FULL else {}
-texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(8)
+texts = (
+    evaluate.heldout_texts(1)[: budget.FIXES_TEXTS]
+    if FULL
+    else evaluate.heldout_texts(8)
+)
 measure = {}
 if FULL:
     measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
@@ -107,24 +113,44 @@ prompt = "Once upon a time, a little fox named"
 # never saw in training; the continuation is greedy.
 
 # %%
-variants = {"neither fix": (), "conv fix only": ("conv",), "norm fix only": ("norm",), "both fixes": ("norm", "conv")}
+variants = {
+    "neither fix": (),
+    "conv fix only": ("conv",),
+    "norm fix only": ("norm",),
+    "both fixes": ("norm", "conv"),
+}
 rows = []
 for label, fixes in variants.items():
-    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
-                              texts, prompt, **measure)
+    result = mistakes.outcome(
+        lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
+        texts,
+        prompt,
+        **measure,
+    )
     rows.append({"load": label, **result})
 
 
 def show(row):
     if not row["runs"]:
-        return {"accuracy": "-", "perplexity": "-",
-                "what happens": "MLX refuses: " + textwrap.shorten(row["error"], 90, placeholder=" …")}
-    return {"accuracy": f"{row['accuracy']:.3f}", "perplexity": f"{row['perplexity']:.1f}",
-            "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …")}
+        return {
+            "accuracy": "-",
+            "perplexity": "-",
+            "what happens": "MLX refuses: "
+            + textwrap.shorten(row["error"], 90, placeholder=" …"),
+        }
+    return {
+        "accuracy": f"{row['accuracy']:.3f}",
+        "perplexity": f"{row['perplexity']:.1f}",
+        "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …"),
+    }
 
 
-Markdown(inventory.markdown_table([{"load": r["load"], **show(r)} for r in rows],
-                                  ["load", "accuracy", "perplexity", "what happens"]))
+Markdown(
+    inventory.markdown_table(
+        [{"load": r["load"], **show(r)} for r in rows],
+        ["load", "accuracy", "perplexity", "what happens"],
+    )
+)
 
 # %%
 by_label = {r["load"]: r for r in rows}
@@ -151,10 +177,19 @@ glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
 kinds = mistakes.norm_kinds(qmtp.ModelConfig.from_file(path))
 unshifted = [k["norm weight"] for k in kinds if not k["shifted"]]
 glue("unshifted_norms", ", ".join(unshifted) or "none", display=False)
-Markdown(inventory.markdown_table(
-    [{**k, "norm weight": f"`{k['norm weight']}`",
-      "shifted": "1 + w" if k["shifted"] else "no: w as stored"} for k in kinds],
-    ["norm weight", "count", "shifted"]))
+Markdown(
+    inventory.markdown_table(
+        [
+            {
+                **k,
+                "norm weight": f"`{k['norm weight']}`",
+                "shifted": "1 + w" if k["shifted"] else "no: w as stored",
+            }
+            for k in kinds
+        ],
+        ["norm weight", "count", "shifted"],
+    )
+)
 
 # %% [markdown]
 # The norms not shifted: {glue:text}`unshifted_norms`. The stored weights of the others sit around zero;
@@ -163,8 +198,7 @@ Markdown(inventory.markdown_table(
 
 # %% mystnb={"figure": {"caption": "The {glue:text}`n_norm_weights` weights of the zero-centred norms of this model: as stored (left) their median is {glue:text}`norm_stored_median:.3f`, as the model applies them, 1 + w (right), {glue:text}`norm_effective_median:.3f`. Used as stored, each norm would multiply its activations by about the left-hand values, nearly zero.", "name": "fig-norm-weights"}}
 weights = mistakes.norm_weights(path, **load_options)
-fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True,
-                         layout="constrained")
+fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
 axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
 axes[0].set_title("stored w")
 axes[0].set_xlabel("weight value (a multiplier, no unit)")
@@ -174,8 +208,7 @@ axes[1].set_xlabel("weight value (a multiplier, no unit)")
 axes[0].set_ylabel("number of weights")
 glue("n_norm_weights", len(weights["stored"]), display=False)
 glue("norm_stored_median", statistics.median(weights["stored"]), display=False)
-glue("norm_effective_median", statistics.median(weights["effective"]),
-     display=False)
+glue("norm_effective_median", statistics.median(weights["effective"]), display=False)
 
 # %% [markdown]
 # ## The +1 applied twice
@@ -201,13 +234,28 @@ for label, delta in mistakes.NORM_SHIFTS.items():
     else:
         shifted = lambda s=label: mistakes.with_norm_shift(path, s, **load_options)
         shifts[label] = mistakes.outcome(shifted, texts, prompt, **measure)
-shift_rows = [{"norm weights": label, **show(result),
-               "top choice": f"{result['top_probability']:.3f}",
-               "loss where wrong": f"{result['loss_when_wrong']:.2f}"}
-              for label, result in shifts.items()]
-Markdown(inventory.markdown_table(shift_rows, [
-    "norm weights", "accuracy", "perplexity", "top choice", "loss where wrong",
-    "what happens"]))
+shift_rows = [
+    {
+        "norm weights": label,
+        **show(result),
+        "top choice": f"{result['top_probability']:.3f}",
+        "loss where wrong": f"{result['loss_when_wrong']:.2f}",
+    }
+    for label, result in shifts.items()
+]
+Markdown(
+    inventory.markdown_table(
+        shift_rows,
+        [
+            "norm weights",
+            "accuracy",
+            "perplexity",
+            "top choice",
+            "loss where wrong",
+            "what happens",
+        ],
+    )
+)
 
 # %%
 unshifted_run = shifts["not shifted (w)"]
@@ -252,10 +300,23 @@ conv_rows, conv_runs = [], {}
 for label in mistakes.CONV_MISTAKES:
     result = mistakes.outcome(
         lambda m=label: mistakes.with_conv_mistake(path, m, **load_options),
-        texts, prompt, **measure)
+        texts,
+        prompt,
+        **measure,
+    )
     conv_runs[label] = result
-    conv_rows.append({"conversion": label, **show(result), "loud": "loud" if not result["runs"] else "silent or fine"})
-Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]))
+    conv_rows.append(
+        {
+            "conversion": label,
+            **show(result),
+            "loud": "loud" if not result["runs"] else "silent or fine",
+        }
+    )
+Markdown(
+    inventory.markdown_table(
+        conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]
+    )
+)
 
 # %% [markdown]
 # The reshape gives exactly the correct kernel, because the axis it moves has length one; the two
@@ -263,14 +324,22 @@ Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplex
 # order, runs without complaint and degrades the text: those are the mistakes to test for.
 
 # %%
-saved = results.save("02_fixes", path, {
-    "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
-    "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
-    "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
-    "conv_mistake_accuracy": {label: r["accuracy"] if r["runs"] else None
-                              for label, r in conv_runs.items()},
-    "layers": budget.LAYERS if FULL else config.num_hidden_layers,
-})
+saved = results.save(
+    "02_fixes",
+    path,
+    {
+        "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
+        "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
+        "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"][
+            "accuracy"
+        ],
+        "conv_mistake_accuracy": {
+            label: r["accuracy"] if r["runs"] else None
+            for label, r in conv_runs.items()
+        },
+        "layers": budget.LAYERS if FULL else config.num_hidden_layers,
+    },
+)
 
 # %% [markdown]
 # ## Exercises

@@ -85,8 +85,11 @@ source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(target)
 
 
 def listing(ckpt, prefix):
-    return [{"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))} for n, i in sorted(ckpt.infos.items())
-            if n.startswith(prefix)]
+    return [
+        {"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))}
+        for n, i in sorted(ckpt.infos.items())
+        if n.startswith(prefix)
+    ]
 
 
 columns = ["tensor", "dtype", "shape"]
@@ -100,10 +103,16 @@ glue("real_moe_inter", real_inter, display=False)
 glue("real_down_groups", real_inter // group_size, display=False)
 down_quantized = tiny_config.moe_intermediate_size % group_size == 0
 glue("down_proj_quantized", "is" if down_quantized else "is not", display=False)
-glue("down_proj_outcome",
-     "is quantized like gate_proj and up_proj" if down_quantized else
-     "is still bf16, while gate_proj and up_proj, whose input is the hidden state, "
-     "are quantized", display=False)
+glue(
+    "down_proj_outcome",
+    (
+        "is quantized like gate_proj and up_proj"
+        if down_quantized
+        else "is still bf16, while gate_proj and up_proj, whose input is the hidden "
+        "state, are quantized"
+    ),
+    display=False,
+)
 released = listing(source, "model.language_model.layers.0.mlp.experts")
 trunk_experts = listing(converted, "language_model.model.layers.0.mlp.switch_mlp")
 head_experts = listing(converted, "mtp.layers.0.mlp.switch_mlp")
@@ -113,7 +122,8 @@ Markdown(
     + "\n\n**Layer 0's experts, converted**\n\n"
     + inventory.markdown_table(trunk_experts, columns)
     + "\n\n**The head's experts, converted (bf16)**\n\n"
-    + inventory.markdown_table(head_experts, columns))
+    + inventory.markdown_table(head_experts, columns)
+)
 
 # %% [markdown]
 # A weight is quantized in groups of {glue:text}`group_size` values along its input (last) dimension, so only a
@@ -133,11 +143,24 @@ Markdown(
 meta = converted.metadata
 widths = json.loads(meta["qmtp.quantization"])
 summary = {k: v for k, v in meta.items() if k != "qmtp.quantization"}
-examples = dict([next((k, v) for k, v in widths.items() if v["bits"]), next((k, v) for k, v in widths.items() if not v["bits"])])
-summary["qmtp.quantization"] = f"{len(widths)} entries, one per stored weight (two below)"
+examples = dict(
+    [
+        next((k, v) for k, v in widths.items() if v["bits"]),
+        next((k, v) for k, v in widths.items() if not v["bits"]),
+    ]
+)
+summary["qmtp.quantization"] = (
+    f"{len(widths)} entries, one per stored weight (two below)"
+)
 summary["qmtp.source_digest"] = summary["qmtp.source_digest"][:16] + "…"
-Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"])
-         + "\n\n```json\n" + json.dumps(examples, indent=1) + "\n```")
+Markdown(
+    inventory.markdown_table(
+        [{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"]
+    )
+    + "\n\n```json\n"
+    + json.dumps(examples, indent=1)
+    + "\n```"
+)
 
 # %%
 try:
@@ -161,18 +184,24 @@ with warnings.catch_warnings():
     roundtrip = qmtp.load(target, **load_options)
 texts = evaluate.heldout_texts(3)
 if FULL:
-    texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
+    texts = evaluate.heldout_texts(1)[: budget.FIXES_TEXTS]
 close = evaluate.logit_agreement(roundtrip, original, texts)
-converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(tree_flatten(original.parameters()))
+converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(
+    tree_flatten(original.parameters())
+)
 quantized = {n.rsplit(".", 1)[0] for n in converted_params if n.endswith(".scales")}
 unquantized = [n for n in converted_params if n.rsplit(".", 1)[0] not in quantized]
-unquantized_equal = all(mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized)
+unquantized_equal = all(
+    mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized
+)
 head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
 glue("check_bits", budget.BITS if FULL else 8, display=False)
 glue("q8_top1", close["top1_agreement"], display=False)
 glue("q8_relerr", close["max_relative_error"], display=False)
-print(f"{len(unquantized)} unquantized tensors, all identical to the source's: {unquantized_equal}; "
-      f"head complete: {head_complete}")
+print(
+    f"{len(unquantized)} unquantized tensors, all identical to the source's: "
+    f"{unquantized_equal}; head complete: {head_complete}"
+)
 print("against the source:", ", ".join(f"{k} {v:.4g}" for k, v in close.items()))
 assert unquantized_equal and head_complete
 
@@ -194,15 +223,24 @@ if FULL:  # a second whole model in memory: left out at full size (qmtp.book.bud
     print("mlx-lm is not loaded at full size")
 else:
     reference, _ = load_model(target)
-    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must
-    # too
-    reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
-                              reference.parameters()))
+    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads
+    # them that way, so mlx-lm must too
+    reference.update(
+        tree_map(
+            lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
+            reference.parameters(),
+        )
+    )
     names = [n for n, _ in tree_flatten(reference.parameters())]
     same = evaluate.logit_agreement(roundtrip, reference, texts)
-    glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
+    glue(
+        "mlxlm_mtp_tensors",
+        sum(n.startswith("mtp") or ".mtp." in n for n in names),
+        display=False,
+    )
     glue("mlxlm_relerr", same["max_relative_error"], display=False)
-    print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}")
+    n_mtp = sum("mtp" in n for n in names)
+    print(f"mlx-lm parameters: {len(names)}, of which MTP: {n_mtp}")
     print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 
 # %% [markdown]
@@ -211,13 +249,17 @@ else:
 # head that drafts.
 
 # %%
-saved = results.save("03_converting", path, {
-    "bits": budget.BITS if FULL else 8,
-    "top1_agreement": close["top1_agreement"],
-    "max_relative_error": close["max_relative_error"],
-    "unquantized_equal": bool(unquantized_equal),
-    "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
-})
+saved = results.save(
+    "03_converting",
+    path,
+    {
+        "bits": budget.BITS if FULL else 8,
+        "top1_agreement": close["top1_agreement"],
+        "max_relative_error": close["max_relative_error"],
+        "unquantized_equal": bool(unquantized_equal),
+        "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
+    },
+)
 
 # %% [markdown]
 # ## How this converter differs from the seed's

@@ -59,7 +59,9 @@ print(inventory.describe(path))
 print(textwrap.fill("Timed on: " + machine.line(), 72))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
-glue("budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False)
+glue(
+    "budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False
+)
 model = qmtp.load(budget.decoding_model(path))
 texts = evaluate.heldout_by_register(2)
 ONLY = budget.DECODE["prompts"] if FULL else None  # prompts used: all, or the budget's
@@ -117,8 +119,12 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # rejected, and the token the trunk adds itself.
 
 # %% mystnb={"figure": {"caption": "The worked example, one row per trunk pass at n_draft 3: {glue:text}`ex_tokens` tokens in {glue:text}`ex_passes` passes after the prefill, {glue:text}`ex_accepted` of the head's {glue:text}`ex_proposed` drafts accepted (green), the first draft rejected in a pass struck out (red), and the trunk's own token ending each pass (blue).", "name": "fig-worked-example"}}
-example = qmtp.generate(model, "Once upon a time, a little fox named",
-                        max_tokens=MAX_TOKENS if FULL else 36, n_draft=3)
+example = qmtp.generate(
+    model,
+    "Once upon a time, a little fox named",
+    max_tokens=MAX_TOKENS if FULL else 36,
+    n_draft=3,
+)
 fig = plots.speculative_steps(example, model.tokenizer)
 example_passes = plots.shown_passes(example)
 glue("ex_tokens", len(example.tokens), display=False)
@@ -139,7 +145,8 @@ for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
     mismatches += sum(
         qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
-        for n in N_DRAFTS)
+        for n in N_DRAFTS
+    )
 glue("lossless_checks", len(N_DRAFTS) * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
 assert mismatches == 0
@@ -154,8 +161,10 @@ assert mismatches == 0
 # counted over those occasions.
 
 # %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft, nudged sideways so that none hides another: the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2, the second {glue:text}`acc_n3_second:.2f` of the times it is proposed at n_draft 3. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at {glue:text}`n_wide`.", "name": "fig-acceptance-position"}}
-by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
-        for n in N_DRAFTS}
+by_n = {
+    n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
+    for n in N_DRAFTS
+}
 fig = plots.acceptance_by_position(by_n)
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
@@ -184,14 +193,18 @@ previous = evaluate.previous_head(model)
 if previous is not None:
     heads = {"previous head": previous, "chained-trained head": None}
     compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
-    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
-          f"{'tokens/pass':>11} {'speed vs previous':>17}")
+    print(
+        f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
+        f"{'tokens/pass':>11} {'speed vs previous':>17}"
+    )
     for n in range(2, 6):
         for label in heads:
             r = compared[label][n]
             per = ", ".join(f"{a:.2f}" for a in r["per_position"])
-            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
-                  f"{r['speed_ratio_to_first']:>17.2f}")
+            print(
+                f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
+                f"{r['speed_ratio_to_first']:>17.2f}"
+            )
     old, new = compared["previous head"], compared["chained-trained head"]
     head_glue = {
         "old_n3_first": old[3]["per_position"][0],
@@ -206,8 +219,18 @@ if previous is not None:
 else:  # no previous head kept beside the model (real weights): nothing to compare
     compared = None
     head_glue = dict.fromkeys(
-        ["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
-         "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+        [
+            "old_n3_first",
+            "new_n3_first",
+            "old_n3_second",
+            "new_n3_second",
+            "old_tpp_n4",
+            "new_tpp_n4",
+            "speed_ratio_n4",
+            "speed_ratio_n5",
+        ],
+        float("nan"),
+    )
     print(f"{path} keeps no previous head: the comparison needs the bundled model")
 for name, value in head_glue.items():
     glue(name, value, display=False)
@@ -234,10 +257,15 @@ for name, value in head_glue.items():
 per_register = {}
 for register, docs in texts.items():
     register_prompts = evaluate.prompts_from(docs, model)[:ONLY]
-    per_register[register] = evaluate.acceptance(model, register_prompts, n_draft=2,
-                                                 max_tokens=MAX_TOKENS)["rate"]
-fig = plots.bars(list(per_register), list(per_register.values()),
-                 "acceptance at n_draft=2", xlabel="register of the prompt")
+    per_register[register] = evaluate.acceptance(
+        model, register_prompts, n_draft=2, max_tokens=MAX_TOKENS
+    )["rate"]
+fig = plots.bars(
+    list(per_register),
+    list(per_register.values()),
+    "acceptance at n_draft=2",
+    xlabel="register of the prompt",
+)
 best_register = max(per_register, key=per_register.get)
 worst_register = min(per_register, key=per_register.get)
 glue("registers", ", ".join(texts), display=False)
@@ -263,16 +291,27 @@ variants = {
     "pre-norm hidden state": dict(hidden="pre"),
 }
 if FULL:
-    variants = {label: options for label, options in variants.items()
-                if label in budget.DECODE["ablations"]}
-ablation = {label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options)["rate"]
-            for label, options in variants.items()}
+    variants = {
+        label: options
+        for label, options in variants.items()
+        if label in budget.DECODE["ablations"]
+    }
+ablation = {
+    label: evaluate.acceptance(
+        model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options
+    )["rate"]
+    for label, options in variants.items()
+}
 glue("acc_no_experts", ablation["no routed experts"], display=False)
 glue("acc_prenorm", ablation["pre-norm hidden state"], display=False)
 glue("acc_head4", ablation["head weights 4-bit"], display=False)
 glue("acc_head3", ablation["head weights 3-bit"], display=False)
-fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft=2",
-                 xlabel="head as run")
+fig = plots.bars(
+    list(ablation),
+    list(ablation.values()),
+    "acceptance at n_draft=2",
+    xlabel="head as run",
+)
 
 # %% [markdown]
 # Without its routed experts the head's drafts are accepted {glue:text}`acc_no_experts:.2f` of the time,
@@ -288,20 +327,30 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 widgets.step_explorer(example, model.tokenizer)
 
 # %%
-saved = results.save("05_mtp_decoding", path, {
-    "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
-    "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
-    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"]
-                              for n, r in by_n.items()},
-    "ablation": ablation,
-    "per_register": per_register,
-    "lossless_mismatches": mismatches,
-    "lossless_checks": len(N_DRAFTS) * len(prompts),
-    "machine": machine.describe(),
-    "previous_head": None if compared is None else {
-        label: {str(n): r for n, r in by_head.items()}
-        for label, by_head in compared.items()},
-})
+saved = results.save(
+    "05_mtp_decoding",
+    path,
+    {
+        "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
+        "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
+        "tokens_per_trunk_pass": {
+            str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()
+        },
+        "ablation": ablation,
+        "per_register": per_register,
+        "lossless_mismatches": mismatches,
+        "lossless_checks": len(N_DRAFTS) * len(prompts),
+        "machine": machine.describe(),
+        "previous_head": (
+            None
+            if compared is None
+            else {
+                label: {str(n): r for n, r in by_head.items()}
+                for label, by_head in compared.items()
+            }
+        ),
+    },
+)
 
 # %% [markdown]
 # ## Exercises

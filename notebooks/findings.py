@@ -34,13 +34,24 @@ from qmtp.book import budget, inventory, machine, results
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
-CHAPTERS = ("01_anatomy", "02_fixes", "03_converting", "04_quantizing",
-            "05_mtp_decoding", "06_throughput")
+CHAPTERS = (
+    "01_anatomy",
+    "02_fixes",
+    "03_converting",
+    "04_quantizing",
+    "05_mtp_decoding",
+    "06_throughput",
+)
 saved = {chapter: results.load(chapter, path) for chapter in CHAPTERS}
 on_tiny = not budget.active(config)
-glue("model_kind", "the bundled tiny model" if on_tiny else "the full-size checkpoint",
-     display=False)
-glue("machine", Markdown(machine.line(saved["06_throughput"]["machine"])), display=False)
+glue(
+    "model_kind",
+    "the bundled tiny model" if on_tiny else "the full-size checkpoint",
+    display=False,
+)
+glue(
+    "machine", Markdown(machine.line(saved["06_throughput"]["machine"])), display=False
+)
 glue("build_machine", machine.line(), display=False)  # this build's own machine
 
 # %% [markdown]
@@ -65,8 +76,11 @@ best_n = max((n for n in predicted if n != "1"), key=predicted.get)
 glue("f_moe2", predicted["2"], display=False)
 glue("f_moe_best", predicted[best_n], display=False)
 glue("f_moe_best_n", best_n, display=False)
-glue("f_dense_best", max(throughput_saved["predicted_dense_4bit"].values()),
-     display=False)
+glue(
+    "f_dense_best",
+    max(throughput_saved["predicted_dense_4bit"].values()),
+    display=False,
+)
 
 # %% [markdown]
 # 1. **Size.** {glue:text}`f_params:.1f` B parameters, {glue:text}`f_active:.2f` B of them used per token; with a
@@ -164,8 +178,15 @@ glue("f_rw_v2_time", rows["verify, 2 tokens"]["time_over_plain"], display=False)
 glue("f_rw_v2_bytes", rows["verify, 2 tokens"]["bytes_over_plain"], display=False)
 glue("f_rw_break_even", throughput_saved["real_width_break_even"], display=False)
 cannot = throughput_saved["real_width_break_even"] >= 2
-glue("f_rw_verdict", "so drafting cannot pay here at the real widths, however good the head"
-     if cannot else "so drafting can pay here at the real widths", display=False)
+glue(
+    "f_rw_verdict",
+    (
+        "so drafting cannot pay here at the real widths, however good the head"
+        if cannot
+        else "so drafting can pay here at the real widths"
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # 10. **Tiny model, measured.** Drafting runs at {glue:text}`f_meas2:.2f`x plain decoding at `n_draft=2`, at best

@@ -215,8 +215,9 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
     new_state = {}
     if k:
-        drafts, dists, drafts_finite, new_state["head"], new_state["head_offset"] = draft(
+        drafts, dists, drafts_finite, head_buffers, head_offset = draft(
             model, head, k, strategy, state, last, draft_key)
+        new_state["head"], new_state["head_offset"] = head_buffers, head_offset
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
         dists, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
