@@ -365,3 +365,33 @@ def test_doctor_names_the_tokenizer_it_checked():
     result = run("doctor", TINY)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^tokenizer: \d+ ids$", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.parametrize("run", range(4))  # the abort was a race at exit, in about half the runs
+def test_loading_in_worker_threads_exits_normally_and_reads_the_same_weights(model, run):
+    """qmtp.load on a worker thread, then a full load on the next worker (which usually gets the first one's
+    thread id back): the process exits 0 (it aborted when a loading thread kept its MLX streams, and when the
+    first load's unread lazy arrays outlived it in a cache keyed by thread id), and the second model's weights
+    equal a main-thread load's."""
+    result = python("""
+        import threading, qmtp
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        sums = {}
+        def work(layers):
+            loaded = qmtp.load(layers=layers)
+            mx.eval(loaded.parameters())
+            for name, w in tree_flatten(loaded.parameters()):
+                sums[name] = float(mx.sum(w.astype(mx.float32)).item())
+        for layers in (1, None):
+            thread = threading.Thread(target=work, args=(layers,))
+            thread.start()
+            thread.join()
+        print("TOKENS", repr(sums))
+    """)
+    sums = _tokens(result)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    expected = {name: float(mx.sum(w.astype(mx.float32)).item()) for name, w in tree_flatten(model.parameters())}
+    assert sums == expected
