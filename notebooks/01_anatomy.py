@@ -53,7 +53,7 @@ print(inventory.describe(path))
 #
 # Listing reads only the headers: `qmtp.Checkpoint(path)` parses each file's JSON and keeps, for every
 # tensor, the file, offset and byte count. The table groups the tensors the way the model uses them;
-# the MTP head is counted apart from the trunk.
+# the MTP {term}`head` is counted apart from the {term}`trunk`.
 
 # %%
 rows = inventory.by_category(path)
@@ -68,13 +68,13 @@ config = qmtp.ModelConfig.from_file(path)
 counts = sizes.parameter_counts(config)
 glue("active_share", 100 * counts["active"] / counts["total"], display=False)
 glue("head_share", 100 * counts["head"] / counts["total"], display=False)
-Markdown(inventory.markdown_table(
-    [{"what": k, "parameters": inventory.human_count(v)} for k, v in counts.items()],
-    ["what", "parameters"]))
+count_rows = [{"parameters of": sizes.PARAMETER_COUNT_LABELS[k],
+               "count": inventory.human_count(v)} for k, v in counts.items()]
+Markdown(inventory.markdown_table(count_rows, ["parameters of", "count"]))
 
 # %% [markdown]
 # Of all parameters, {glue:text}`active_share:.1f`% take part in one token's forward pass (the "A" in
-# A3B: top-k routed experts, the shared expert, attention, one embedding row and lm_head), and the MTP
+# {term}`A3B`: top-k routed experts, the shared expert, attention, one embedding row and lm_head), and the MTP
 # head holds {glue:text}`head_share:.1f`% of the total: a full decoder layer with its own router and all
 # its routed experts.
 #

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 2. Why the output is incoherent without the fixes
 #
-# Qwen3-Next-family checkpoints need two changes on their way into MLX. The zero-centred RMSNorm
+# {term}`Qwen3-Next`-family checkpoints need two changes on their way into MLX. The zero-centred RMSNorm
 # weights are stored as `w` and applied as `1 + w`; the depthwise convolution of the linear-attention
 # layers is stored in PyTorch's layout `[C, 1, K]` while MLX's `conv1d` wants `[C, K, 1]`.
 # `qmtp.load(path, fixes=...)` applies either, both or neither; this chapter loads the model each way.
@@ -52,9 +52,8 @@ from IPython.display import Markdown
 from myst_nb import glue
 from qmtp.book import budget, evaluate, inventory, mistakes, results
 
-warnings.simplefilter(
-    "ignore", UserWarning
-)  # the loader warns about every fix left out: the point here
+# the loader warns about every fix left out: the point here
+warnings.simplefilter("ignore", UserWarning)
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
@@ -177,19 +176,12 @@ glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
 kinds = mistakes.norm_kinds(qmtp.ModelConfig.from_file(path))
 unshifted = [k["norm weight"] for k in kinds if not k["shifted"]]
 glue("unshifted_norms", ", ".join(unshifted) or "none", display=False)
-Markdown(
-    inventory.markdown_table(
-        [
-            {
-                **k,
-                "norm weight": f"`{k['norm weight']}`",
-                "shifted": "1 + w" if k["shifted"] else "no: w as stored",
-            }
-            for k in kinds
-        ],
-        ["norm weight", "count", "shifted"],
-    )
-)
+shown = [
+    {**k, "norm weight": f"`{k['norm weight']}`",
+     "shifted": "1 + w" if k["shifted"] else "no: w as stored"}
+    for k in kinds
+]
+Markdown(inventory.markdown_table(shown, ["norm weight", "count", "shifted"]))
 
 # %% [markdown]
 # The norms not shifted: {glue:text}`unshifted_norms`. The stored weights of the others sit around zero;

@@ -17,7 +17,7 @@
 # # 3. Converting to one file
 #
 # `qmtp.convert` (or `python -m qmtp convert SRC DST`) turns a released checkpoint into one
-# `model.safetensors` that holds trunk and MTP head, with the fixes applied once and recorded, the trunk
+# `model.safetensors` that holds {term}`trunk` and MTP {term}`head`, with the fixes applied once and recorded, the trunk
 # quantized and the head kept in bf16. It streams: one tensor group at a time is read, fixed,
 # quantized and written, into a temporary folder that is renamed into place only when it is complete.
 #

@@ -27,7 +27,8 @@
 #
 # - MLX's affine format: per group a scale and a bias, per value a `bits`-bit code;
 # - how the codes are packed into 32-bit words, and that a numpy reference agrees with MLX bit for bit;
-# - what each trunk width costs in perplexity and size, and whether the MTP head needs bf16;
+# - what each {term}`trunk` width costs in perplexity and size, and whether the MTP {term}`head`
+#   needs bf16;
 # - how `python -m qmtp doctor` catches a backend whose quantized kernels are wrong.
 #
 # **What runs here.** One group is quantized by hand; the bundled model is quantized at every width, trunk and
@@ -61,9 +62,8 @@ config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
 glue("budget_note", Markdown(budget.statement("04_quantizing", config)), display=False)
 model = qmtp.load(path, layers=1, head=False) if FULL else qmtp.load(path)
-weight = np.array(
-    model.layers[0].mlp.experts.gate_proj.weight[0].astype(mx.float32)
-)  # one expert's [I, H]
+gate_proj = model.layers[0].mlp.experts.gate_proj
+weight = np.array(gate_proj.weight[0].astype(mx.float32))  # one expert's [I, H]
 
 # %% [markdown]
 # ## One group, step by step
