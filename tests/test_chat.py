@@ -1,0 +1,280 @@
+"""Chat templates render exactly what transformers renders; a model without one says so.
+
+The templates are written in this family's format (tests/templates/qwen_family.jinja follows the structure of
+the Qwen3.5 / 3.6 release's template: tools, thinking kept only after the last query unless preserve_thinking,
+tool responses in one user turn, the generation prompt opening or closing <think>) and are rendered here and by
+transformers (`AutoTokenizer.from_pretrained` on the same directory, no torch needed) on the same messages.
+"""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qmtp import chat
+from qmtp.errors import CheckpointError, UsageError
+from qmtp.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "qmtp" / "assets" / "tiny"
+QWEN = (Path(__file__).parent / "templates" / "qwen_family.jinja").read_text()
+
+# A template that uses what transformers' environment adds: loop controls, namespace, its tojson options,
+# dict(), the {% generation %} tag, the special tokens as variables, raise_exception.
+FEATURES = """{%- set ns = namespace(count=0) %}
+{%- for m in messages %}
+{%- if m.role == 'skip' %}{% continue %}{% endif %}
+{%- if m.role == 'stop' %}{% break %}{% endif %}
+{%- set ns.count = ns.count + 1 %}
+[{{ ns.count }} {{ m.role }}] {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}
+{% if m.data is defined %}{{ m.data | tojson(indent=2, sort_keys=true) }}{{ m.data | tojson }}{{ dict(a=1, b=[m.role]) | tojson(separators=(',', ':')) }}{% endif %}
+{%- endfor %}
+{%- if bad is defined %}{{ raise_exception('refused: ' + bad) }}{% endif %}
+{{- eos_token }}{% if add_generation_prompt %}<go>{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Wetter für morgen, in °C",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}},
+                                               "required": ["city"]}}},
+         {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {}}}}]
+
+CONVERSATIONS = {
+    "one question": [{"role": "user", "content": "What is 2 + 2?"}],
+    "system and turns": [
+        {"role": "system", "content": "  You answer briefly.\n"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a fruit."},
+    ],
+    "thinking in the content": [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "<think>\nold trace\n</think>\n\nOld answer"},
+        {"role": "user", "content": "Second question"},
+        {"role": "assistant", "content": "<think>\nnew trace\n</think>\n\nNew answer"},
+    ],
+    "thinking as reasoning_content": [
+        {"role": "system", "content": "Think first."},
+        {"role": "user", "content": "First"},
+        {"role": "assistant", "reasoning_content": "old trace", "content": "Old answer"},
+        {"role": "user", "content": "Second"},
+        {"role": "assistant", "reasoning_content": "  new trace\n", "content": "New answer", "tool_calls": None},
+        {"role": "user", "content": "Third"},
+    ],
+    "tool calls": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Zürich and Köln?"},
+        {"role": "assistant", "reasoning_content": "two cities", "content": "Checking both.",
+         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich", "days": 2}}},
+                        {"type": "function", "function": {"name": "weather",
+                                                          "arguments": {"city": "Köln", "opts": {"unit": "°C"}, "tags": ["a", 1]}}}]},
+        {"role": "tool", "content": "sunny, 3 °C"},
+        {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "note", "arguments": {}}]},
+        {"role": "tool", "content": "saved"},
+    ],
+    "content parts": [
+        {"role": "system", "content": [{"type": "text", "text": "Parts only."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " ok?"}]},
+    ],
+}
+SETTINGS = [{}, {"enable_thinking": False}, {"enable_thinking": True}, {"preserve_thinking": True},
+            {"add_generation_prompt": False}]
+
+
+def template_dir(tmp_path: Path, template: str, as_file: bool = False) -> Path:
+    """The bundled tokenizer with `template` (in tokenizer_config.json, or as chat_template.jinja)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(TINY / "tokenizer.json", tmp_path)
+    config = json.loads((TINY / "tokenizer_config.json").read_text())
+    if as_file:
+        (tmp_path / chat.TEMPLATE_FILE).write_text(template)
+    else:
+        config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return template_dir(tmp_path_factory.mktemp("qwen"), QWEN)
+
+
+@pytest.fixture(scope="module")
+def ours(qwen_dir):
+    return Tokenizer.from_dir(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen_dir):
+    transformers = pytest.importorskip("transformers")  # the test extra installs it; a base run skips here
+    return transformers.AutoTokenizer.from_pretrained(str(qwen_dir))
+
+
+def hf_render(hf, messages, settings, **kwargs):
+    settings = dict(settings)
+    add = settings.pop("add_generation_prompt", True)
+    return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add, **settings, **kwargs)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_renders_what_transformers_renders(ours, hf, name, settings):
+    messages = CONVERSATIONS[name]
+    tools = TOOLS if name == "tool calls" else None
+    expected = hf_render(hf, messages, settings, tools=tools)
+    assert ours.apply_chat_template(messages, tools=tools, **settings) == expected
+    # the same without tools: the system message alone opens the prompt
+    assert ours.apply_chat_template(messages, **settings) == hf_render(hf, messages, settings)
+
+
+def random_conversation(rng: random.Random) -> list[dict]:
+    words = ["alpha", "Straße", "x < y", "{\"k\": 1}", "line\nbreak", "  padded  ", "<b>", "été", ""]
+    text = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))  # noqa: E731
+    messages = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 4)):
+        messages.append({"role": "user", "content": text()})
+        reply = {"role": "assistant", "content": text()}
+        kind = rng.randrange(4)
+        if kind == 1:
+            reply["reasoning_content"] = text()
+        elif kind == 2:
+            reply["content"] = f"<think>\n{text()}\n</think>\n\n{text()}"
+        elif kind == 3:
+            reply["tool_calls"] = [{"type": "function", "function": {"name": rng.choice(["f", "g"]), "arguments": {
+                "a": text(), "n": rng.randint(-5, 5), "l": [text(), 1.5, None, True]}}} for _ in range(rng.randint(1, 2))]
+            messages.append(reply)
+            messages += [{"role": "tool", "content": text()} for _ in range(rng.randint(1, 2))]
+            reply = {"role": "assistant", "content": text()}
+        messages.append(reply)
+    if rng.random() < 0.7:
+        messages.append({"role": "user", "content": text()})
+    return messages
+
+
+def test_random_conversations_render_as_transformers_renders(ours, hf):
+    rng = random.Random(0)
+    for i in range(60):
+        messages = random_conversation(rng)
+        settings = rng.choice(SETTINGS)
+        tools = TOOLS if rng.random() < 0.3 else None
+        assert ours.apply_chat_template(messages, tools=tools, **settings) == hf_render(hf, messages, settings,
+                                                                                       tools=tools), (i, messages)
+
+
+def test_the_family_format(ours):
+    """What the format promises, checked directly (so a template bug shared with transformers would show)."""
+    messages = CONVERSATIONS["thinking in the content"][:3]
+    on = ours.apply_chat_template(messages)
+    off = ours.apply_chat_template(messages, enable_thinking=False)
+    assert on.endswith("<|im_start|>user\nSecond question<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "old trace" not in on and "<|im_start|>assistant\nOld answer<|im_end|>" in on  # earlier thinking dropped
+    kept = ours.apply_chat_template(messages, preserve_thinking=True)
+    assert "<|im_start|>assistant\n<think>\nold trace\n</think>\n\nOld answer<|im_end|>" in kept
+    assert chat.opens_thinking(on) and not chat.opens_thinking(off)
+    # the reasoning passed under another name reaches the template (as transformers 5 aliases it)
+    alias = [messages[0], {"role": "assistant", "reasoning": "old trace", "content": "Old answer"}]
+    assert ours.apply_chat_template(alias, preserve_thinking=True) == ours.apply_chat_template(
+        [messages[0], {"role": "assistant", "reasoning_content": "old trace", "content": "Old answer"}],
+        preserve_thinking=True)
+
+
+def test_tokenize_gives_the_ids_transformers_gives(ours, hf):
+    messages = CONVERSATIONS["system and turns"]
+    ids = ours.apply_chat_template(messages, tokenize=True)
+    assert ids == ours.encode(ours.apply_chat_template(messages))
+    expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids == list(expected)
+
+
+def test_environment_features_render_as_transformers_renders(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    directory = template_dir(tmp_path / "features", FEATURES)
+    ours = Tokenizer.from_dir(directory)
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "user", "content": "a", "data": None}, {"role": "skip", "content": "hidden"},
+                {"role": "assistant", "content": "b", "data": {"z": "ü", "a": [1, 2.5, None], "html": "<&>"}},
+                {"role": "stop", "content": "x"}, {"role": "user", "content": "never"}]
+    for add in (True, False):
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+    assert "hidden" not in expected and "never" not in expected and '"z": "ü"' in expected
+    assert expected.startswith("[1 user] a[2 assistant] b")  # a None value is dropped: `data is defined` is false
+    assert expected.endswith("<|endoftext|>")  # the tokenizer's eos_token is a variable
+    # a keyword argument overrides a special token, as in transformers
+    assert ours.apply_chat_template(messages, eos_token="END").endswith("END<go>")
+    with pytest.raises(UsageError, match="refuses these messages: refused: why"):
+        ours.apply_chat_template(messages, bad="why")
+
+
+def test_the_sandbox_holds(tmp_path):
+    for template, fragment in [("{{ messages.append(1) }}", "refuses"),
+                               ("{% set ns = namespace(_x=1) %}", "underscore"),
+                               ("{{ ''.__class__.__mro__ }}", "refuses")]:
+        ours = Tokenizer.from_dir(template_dir(tmp_path / str(len(fragment)) / str(hash(template) % 1000), template))
+        try:
+            text = ours.apply_chat_template([{"role": "user", "content": "a"}])
+        except UsageError as err:
+            assert fragment in str(err) and "\n" not in str(err)
+        else:  # the immutable sandbox may render an unsafe attribute as undefined instead
+            assert "class" not in text and text == ""
+
+
+def test_chat_template_jinja_wins_over_the_config(tmp_path):
+    directory = template_dir(tmp_path, "{{ 'from the config' }}")
+    (directory / chat.TEMPLATE_FILE).write_text("{{ 'from the file' }}")
+    assert Tokenizer.from_dir(directory).apply_chat_template([{"role": "user", "content": "a"}]) == "from the file"
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert hf.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False) == "from the file"
+
+
+def test_a_model_without_a_template_says_so(tmp_path):
+    tok = Tokenizer.from_dir(TINY)
+    assert tok.chat_template is None
+    with pytest.raises(UsageError, match="has no chat template") as err:
+        tok.apply_chat_template([{"role": "user", "content": "a"}])
+    assert str(TINY) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ("hello", "list of"),
+    ([], "empty"),
+    ([{"content": "no role"}], "needs a 'role'"),
+    (["text"], "messages[0]: give a dict"),
+    ([{"role": "user", "content": 3}], "'content' must be text"),
+    ([{"role": "user", "content": object()}], "'content' must be text"),
+    ([{"role": "user", "content": "a", "meta": object()}], "not object"),
+    ([{"role": "assistant", "content": "no user query"}], "There is no user query"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], "Only the first message"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "Unknown content part"),
+])
+def test_bad_messages_are_one_line_usage_errors(ours, messages, fragment):
+    with pytest.raises(UsageError) as err:
+        ours.apply_chat_template(messages)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_arguments_are_usage_errors(ours):
+    messages = CONVERSATIONS["one question"]
+    for kwargs, fragment in [({"enable_thinking": "no"}, "enable_thinking"), ({"tokenize": 1}, "tokenize"),
+                             ({"tools": {"name": "f"}}, "tools"), ({"tools": ["f"]}, "JSON schema"),
+                             ({"chat_template": 5}, "chat_template")]:
+        with pytest.raises(UsageError, match=fragment):
+            ours.apply_chat_template(messages, **kwargs)
+
+
+def test_a_template_that_does_not_compile_names_its_line(tmp_path):
+    tok = Tokenizer.from_dir(template_dir(tmp_path, "{% for m in messages %}\n{{ m.content }\n"))
+    with pytest.raises(CheckpointError, match=r"does not compile: .*\(line 2\)"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def test_split_thinking():
+    assert chat.split_thinking("plan\nmore\n</think>\n\nThe answer.", opened=True) == ("plan\nmore", "The answer.")
+    assert chat.split_thinking("<think>\nplan\n</think>\n\nAnswer", opened=False) == ("plan", "Answer")
+    assert chat.split_thinking("still thinking", opened=True) == ("still thinking", "")
+    assert chat.split_thinking("<think>\nstill", opened=False) == ("still", "")
+    assert chat.split_thinking("Just an answer", opened=False) == ("", "Just an answer")
