@@ -278,3 +278,129 @@ def test_split_thinking():
     assert chat.split_thinking("still thinking", opened=True) == ("still thinking", "")
     assert chat.split_thinking("<think>\nstill", opened=False) == ("still", "")
     assert chat.split_thinking("Just an answer", opened=False) == ("", "Just an answer")
+
+
+# ---- generate: messages, end ids, stop strings ----------------------------------------------------------------
+def model_dir(tmp_path: Path, template: str | None = QWEN, generation_config: dict | None = None,
+              eos_token: str | None = None) -> Path:
+    """The bundled model's files (linked) with a chat template, a generation_config.json, another eos_token."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for f in TINY.iterdir():
+        if f.is_file() and f.name != "tokenizer_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((TINY / "tokenizer_config.json").read_text())
+    if template is not None:
+        config["chat_template"] = template
+    if eos_token is not None:
+        config["eos_token"] = eos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (tmp_path / chat.GENERATION_CONFIG).write_text(json.dumps(generation_config))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    import qmtp
+
+    return qmtp.load(model_dir(tmp_path_factory.mktemp("templated")))
+
+
+@pytest.fixture(scope="module")
+def free_run(model):
+    """What the bundled model writes after a prompt when nothing stops it: (prompt, tokens, text)."""
+    import qmtp
+
+    g = qmtp.generate(model, "Once upon a time", max_tokens=48, stop_at_eos=False)
+    return "Once upon a time", g.tokens, g.text
+
+
+MESSAGES = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "A story about a fox."}]
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False])
+def test_generate_takes_messages(model, enable_thinking):
+    import qmtp
+
+    ids = model.tokenizer.apply_chat_template(MESSAGES, enable_thinking=enable_thinking, tokenize=True)
+    g = qmtp.generate(model, messages=MESSAGES, enable_thinking=enable_thinking, max_tokens=12)
+    assert g.prompt_tokens == ids
+    assert model.tokenizer.decode(g.prompt_tokens).endswith("<think>\n" if enable_thinking is None else "</think>\n\n")
+    assert g.tokens == qmtp.generate(model, ids, max_tokens=12).tokens
+    assert g.tokens == qmtp.generate(model, messages=MESSAGES, enable_thinking=enable_thinking, max_tokens=12,
+                                     n_draft=3).tokens
+    kept = qmtp.generate(model, messages=MESSAGES + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+                         chat_template_kwargs={"preserve_thinking": True}, max_tokens=1)
+    assert "<think>\n\n</think>\n\nx<|im_end|>" in model.tokenizer.decode(kept.prompt_tokens)
+
+
+def test_generation_stops_at_every_end_id(tmp_path, free_run):
+    import qmtp
+
+    prompt, tokens, _ = free_run
+    # two ids the model writes, first seen at different places: generation_config.json declares both
+    firsts = {}
+    for i, t in enumerate(tokens):
+        firsts.setdefault(t, i)
+    late = sorted((i, t) for t, i in firsts.items() if i >= 6)
+    (i1, t1), (i2, t2) = late[0], late[-1]
+    for n, declared in enumerate(([t2, t1], t1, [t2])):
+        model = qmtp.load(model_dir(tmp_path / str(n), generation_config={"eos_token_id": declared}))
+        end = min(firsts[t] for t in ([declared] if isinstance(declared, int) else declared))
+        for n_draft in (1, 3):
+            g = qmtp.generate(model, prompt, max_tokens=48, n_draft=n_draft)
+            assert g.tokens == tokens[:end + 1] and g.finish_reason == "end", (declared, n_draft)
+            assert g.text == model.tokenizer.decode(tokens[:end])
+        assert qmtp.generate(model, prompt, max_tokens=48, stop_at_eos=False).tokens == tokens
+    # the tokenizer's eos_token is an end id too (Qwen3.6's is <|im_end|>, beside <|endoftext|>)
+    named = model.tokenizer.id_to_token(t1)
+    model = qmtp.load(model_dir(tmp_path / "named", eos_token=named))
+    assert chat.end_ids(model) == {0, t1}
+    assert qmtp.generate(model, prompt, max_tokens=48).tokens == tokens[:i1 + 1]
+
+
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_generation_stops_at_a_stop_string(model, free_run, n_draft):
+    import qmtp
+
+    prompt, tokens, text = free_run
+    for start in (5, len(text) // 2, len(text) - 6):
+        stop = text[start:start + 5]
+        cut = text.find(stop)
+        streamed = []
+        g = qmtp.generate(model, prompt, max_tokens=48, n_draft=n_draft, stop=["never there", stop],
+                          stop_at_eos=False, on_tokens=streamed.extend)
+        assert g.text == text[:cut] and g.finish_reason == "stop"
+        assert g.tokens == tokens[:len(g.tokens)] and streamed == g.tokens
+        assert stop in model.tokenizer.decode(g.tokens) and stop not in model.tokenizer.decode(g.tokens[:-1])
+    g = qmtp.generate(model, prompt, max_tokens=48, n_draft=n_draft, stop="never there", stop_at_eos=False)
+    assert g.tokens == tokens and g.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"prompt": "a", "messages": MESSAGES}, "not both"),
+    ({}, "give a prompt"),
+    ({"prompt": "a", "enable_thinking": False}, "give messages"),
+    ({"prompt": "a", "chat_template_kwargs": {"x": 1}}, "give messages"),
+    ({"messages": MESSAGES, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "enable_thinking": "off"}, "enable_thinking"),
+    ({"messages": "hello"}, "list of"),
+    ({"prompt": "a", "stop": 5}, "stop=5"),
+    ({"prompt": "a", "stop": ["ok", ""]}, "non-empty"),
+])
+def test_generate_refuses_bad_chat_input(model, kwargs, fragment):
+    import qmtp
+
+    with pytest.raises(UsageError, match=fragment):
+        qmtp.generate(model, max_tokens=2, **kwargs)
+
+
+def test_generate_with_messages_needs_a_template_and_a_sane_generation_config(tmp_path):
+    import qmtp
+
+    bare = qmtp.load(model_dir(tmp_path / "bare", template=None))
+    with pytest.raises(UsageError, match="has no chat template"):
+        qmtp.generate(bare, messages=MESSAGES, max_tokens=2)
+    broken = qmtp.load(model_dir(tmp_path / "broken", generation_config={"eos_token_id": [1, "two"]}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id"):
+        qmtp.generate(broken, "a", max_tokens=2)
