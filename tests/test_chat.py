@@ -404,3 +404,137 @@ def test_generate_with_messages_needs_a_template_and_a_sane_generation_config(tm
     broken = qmtp.load(model_dir(tmp_path / "broken", generation_config={"eos_token_id": [1, "two"]}))
     with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id"):
         qmtp.generate(broken, "a", max_tokens=2)
+
+
+# ---- python -m qmtp chat ------------------------------------------------------------------------------------
+def run_chat(*argv, input=None):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("QMTP_MODEL", None)
+    return subprocess.run([sys.executable, "-m", "qmtp", "chat", *map(str, argv)], capture_output=True, text=True,
+                          env=env, input=input, timeout=300)
+
+
+def stats_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("[") and "tok/s" in line]
+
+
+def test_chat_without_a_template_needs_raw():
+    from helpers import one_line_error
+
+    result = run_chat("--prompt", "Once upon a time", "--max-tokens", "3")
+    assert result.returncode == 2
+    one_line_error(result.stderr, "has no chat template", "--raw")
+    raw = run_chat("--raw", "--prompt", "Once upon a time", "--max-tokens", "3")
+    assert raw.returncode == 0 and raw.stdout.startswith("Once upon a time"), raw.stderr
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (("--raw", "--system", "x"), "--system"),
+    (("--raw", "--thinking=false"), "--thinking"),
+    (("--raw", "--hide-thinking"), "--hide-thinking"),
+    (("--stop", ""), "--stop"),
+    (("--thinking=maybe",), "expected true or false"),
+])
+def test_chat_refuses_flags_that_do_not_fit(argv, fragment):
+    from helpers import one_line_error
+
+    result = run_chat(*argv, "--prompt", "hi")
+    assert result.returncode == 2
+    one_line_error(result.stderr, fragment)
+
+
+def test_chat_applies_the_template_and_keeps_the_conversation(model):
+    """Each stdin line is a turn: the second turn's prompt holds the first answer (what generate gives for the
+    same messages); thinking off prints the answer alone on stdout."""
+    import qmtp
+
+    path, turns = model.path, ["Tell me about foxes.", "And rabbits?"]
+    result = run_chat(path, "--thinking=false", "--system", "Be brief.", "--max-tokens", "8", "--use-mtp",
+                      input="".join(t + "\n" for t in turns))
+    assert result.returncode == 0, result.stderr
+    messages, expected, prompts = [{"role": "system", "content": "Be brief."}], [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        g = qmtp.generate(model, messages=messages, enable_thinking=False, max_tokens=8)
+        expected.append(g.text)
+        prompts.append(len(g.prompt_tokens))
+        messages.append({"role": "assistant", "content": g.text})
+    assert result.stdout == "".join(a + "\n" for a in expected)
+    # the tiny model answers every question alike, so the prompts' lengths show that the history was read
+    alone = len(model.tokenizer.apply_chat_template(messages[:1] + messages[-2:-1], enable_thinking=False,
+                                                    tokenize=True))
+    assert prompts[1] > alone
+    assert [f"after a prompt of {n}" in line for n, line in zip(prompts, stats_lines(result.stderr))] == [True, True]
+    assert "[thinking]" not in result.stderr
+    # /reset starts again from the system message: the third turn's prompt is the first's
+    again = run_chat(path, "--thinking=false", "--system", "Be brief.", "--max-tokens", "8",
+                     input=f"{turns[0]}\n{turns[1]}\n/reset\n{turns[0]}\n")
+    assert [line.split("after a prompt of ")[1].split("]")[0] for line in stats_lines(again.stderr)] == [
+        str(prompts[0]), str(prompts[1]), str(prompts[0])]
+
+
+def test_chat_shows_thinking_apart_or_hides_it(model):
+    import qmtp
+
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    text = qmtp.generate(model, messages=messages, max_tokens=10).text  # thinking on: all of it is thinking
+    shown = run_chat(model.path, "--prompt", messages[0]["content"], "--max-tokens", "10")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == "\n"  # no answer yet: the tiny model never closes its think block
+    assert f"[thinking]\n{text.strip(chr(10))}\n[/thinking]\n" in shown.stderr
+    hidden = run_chat(model.path, "--prompt", messages[0]["content"], "--max-tokens", "10", "--hide-thinking")
+    assert hidden.returncode == 0 and hidden.stdout == "\n" and "thinking]" not in hidden.stderr
+
+
+def test_chat_stops_at_a_stop_string(model, free_run):
+    prompt, _, text = free_run
+    stop = text[10:14]
+    result = run_chat("--raw", "--prompt", prompt, "--max-tokens", "48", "--stop", "never", "--stop", stop)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == prompt + text[:text.find(stop)] + "\n"
+
+
+def stream_of(model, capsys, text: str, opened: bool, **kwargs):
+    """Feed `text`'s tokens to a ChatStream one at a time; (stdout, stderr, what finish returned)."""
+    from qmtp.cli import ChatStream
+
+    tok = model.tokenizer
+    ids = tok.encode(text)
+    stream = ChatStream(tok, chat.end_ids(model), kwargs.pop("stops", ()), opened, **kwargs)
+    for t in ids + [0]:  # the end id is never printed
+        stream.add([t])
+    parts = stream.finish(kwargs.pop("final", text))
+    out, err = capsys.readouterr()
+    return out, err, parts
+
+
+def test_chat_stream_separates_thinking_token_by_token(model, capsys):
+    reply = "First, foxes.\nThen rabbits.\n</think>\n\nFoxes eat rabbits."
+    out, err, parts = stream_of(model, capsys, reply, opened=True)
+    assert out == "Foxes eat rabbits.\n"
+    assert err == "[thinking]\nFirst, foxes.\nThen rabbits.\n[/thinking]\n"
+    assert parts == ("First, foxes.\nThen rabbits.", "Foxes eat rabbits.")
+    out, err, _ = stream_of(model, capsys, reply, opened=True, hide=True)
+    assert out == "Foxes eat rabbits.\n" and err == ""
+    out, err, _ = stream_of(model, capsys, "<think>\nhm\n</think>\n\nYes.", opened=False)  # a reply opening one
+    assert out == "Yes.\n" and err == "[thinking]\nhm\n[/thinking]\n"
+    out, err, _ = stream_of(model, capsys, "Plain answer.", opened=False)
+    assert out == "Plain answer.\n" and err == ""
+
+
+def test_chat_stream_never_shows_part_of_a_stop_string(model, capsys):
+    from qmtp.cli import ChatStream
+
+    tok = model.tokenizer
+    stream = ChatStream(tok, {0}, ("rabbit",), opened=False)
+    shown = []
+    for t in tok.encode("Foxes eat rab"):
+        stream.add([t])
+        shown.append(capsys.readouterr().out)
+    assert "".join(shown) == "Foxes eat "  # "rab" may begin the stop string: held back
+    stream.finish("Foxes eat ")
+    assert capsys.readouterr().out == "\n"
