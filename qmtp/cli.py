@@ -259,6 +259,8 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         problems.append(str(err))
     else:
         print(f"tokenizer: {tokenizer.vocab_size} ids" if tokenizer else "tokenizer: none (chat needs tokenizer.json)")
+        if tokenizer is not None:
+            problems += _doctor_template(tokenizer)
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
@@ -298,6 +300,22 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
             problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
     source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
     return problems
+
+
+def _doctor_template(tokenizer) -> list[str]:
+    """Say whether the model has a chat template and whether it compiles; return its problem, if any."""
+    from .chat import compile_template
+
+    if tokenizer.chat_template is None:
+        print("chat template: none (chat needs --raw; generate takes text or ids, not messages)")
+        return []
+    try:
+        compile_template(tokenizer.chat_template)
+    except QmtpError as err:
+        print(f"chat template: BROKEN ({err})")
+        return [f"{tokenizer.source}: {err}"]
+    print(f"chat template: {len(tokenizer.chat_template)} characters, compiles")
+    return []
 
 
 def _scan(ckpt) -> list[str]:

@@ -538,3 +538,15 @@ def test_chat_stream_never_shows_part_of_a_stop_string(model, capsys):
     assert "".join(shown) == "Foxes eat "  # "rab" may begin the stop string: held back
     stream.finish("Foxes eat ")
     assert capsys.readouterr().out == "\n"
+
+
+def test_doctor_reports_the_chat_template(tmp_path, capsys):
+    from qmtp import cli
+
+    assert cli.main(["doctor", str(TINY)]) == 0
+    assert "chat template: none (chat needs --raw" in capsys.readouterr().out
+    assert cli.main(["doctor", str(model_dir(tmp_path / "good"))]) == 0
+    assert f"chat template: {len(QWEN)} characters, compiles" in capsys.readouterr().out
+    assert cli.main(["doctor", str(model_dir(tmp_path / "bad", template="{% if %}"))]) == 2
+    out, err = capsys.readouterr()
+    assert "chat template: BROKEN (the chat template does not compile" in out and "does not compile" in err
