@@ -394,12 +394,12 @@ def generate(
             on_tokens(visible[streamed:])
             streamed = len(visible)
 
-    stopped, searched = False, 0
+    stopped, searched, clear = False, 0, 0  # clear: the tokens whose text holds no stop string
 
     def at_stop() -> bool:
         """Whether the text now holds a stop string; if so, `out` keeps only the tokens up to the one that
         completed it (decoded a prefix at a time over this step's tokens)."""
-        nonlocal searched
+        nonlocal searched, clear
         if not stops:
             return False
         visible = _output(out, max_tokens, eos)
@@ -408,8 +408,9 @@ def generate(
             # a stop string may end in the next step (and a character cut between steps decodes as U+FFFD, one
             # per byte, until its last byte comes): search again from a little before the end
             searched = max(0, len(text) - max(map(len, stops)) - 4)
+            clear = len(visible)
             return False
-        for n in range(1, len(visible) + 1):
+        for n in range(clear + 1, len(visible) + 1):
             if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in eos]), stops) >= 0:
                 del out[n:]
                 return True
