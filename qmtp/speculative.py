@@ -341,8 +341,9 @@ def generate(
         messages: a conversation ([{"role": "user", "content": ...}, ...]) instead of `prompt`: the prompt is
             `model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
         enable_thinking: for `messages`: None leaves it to the template (Qwen: thinking on), False asks the
-            template for no thinking. `chat_template_kwargs`: the template's other variables (e.g. Qwen3.6's
-            `preserve_thinking=True`). `qmtp.chat.split_thinking` cuts the reply into thinking and answer.
+            template for no thinking. `chat_template_kwargs`: `apply_chat_template`'s other arguments (`tools`,
+            Qwen3.6's `preserve_thinking=True`, ...). `qmtp.chat.split_thinking` cuts the reply into thinking
+            and answer.
         stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
         stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
     """
