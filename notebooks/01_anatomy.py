@@ -73,7 +73,8 @@ count_rows = [{"parameters of": sizes.PARAMETER_COUNT_LABELS[k],
 Markdown(inventory.markdown_table(count_rows, ["parameters of", "count"]))
 
 # %% [markdown]
-# Of all parameters, {glue:text}`active_share:.1f`% take part in one token's forward pass (the "A" in
+# Of all parameters of the model this page reads (the bundled tiny model unless `QMTP_MODEL` names another),
+# {glue:text}`active_share:.1f`% take part in one token's forward pass (the "A" in
 # {term}`A3B`: top-k routed experts, the shared expert, attention, one embedding row and lm_head), and the MTP
 # head holds {glue:text}`head_share:.1f`% of the total: a full decoder layer with its own router and all
 # its routed experts.
@@ -107,7 +108,7 @@ for bits in (4, 6, 8):
     variant_rows.append({
         "trunk bits": bits, "trunk GB": report.trunk_bytes / 1e9,
         "head GB (bf16)": report.head_bytes / 1e9, "total GB": report.total_bytes / 1e9,
-        "total GiB": report.total_bytes / 2**30, "model card's table": claimed[bits]})
+        "total GiB": report.total_bytes / 2**30, "seed's card (GB)": claimed[bits]})
 Markdown(inventory.markdown_table(variant_rows, list(variant_rows[0]), {
     "trunk GB": "{:.1f}", "head GB (bf16)": "{:.2f}", "total GB": "{:.1f}",
     "total GiB": "{:.1f}"}))
@@ -117,6 +118,8 @@ head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9
               for w in (None, 8, 6, 4)}
 glue("real_total", real_counts["total"] / 1e9, display=False)
 glue("real_active", real_counts["active"] / 1e9, display=False)
+glue("real_active_share", 100 * real_counts["active"] / real_counts["total"], display=False)
+glue("real_head_share", 100 * real_counts["head"] / real_counts["total"], display=False)
 glue("head_bf16_gb", head_sizes[None], display=False)
 glue("head_8_gb", head_sizes[8], display=False)
 glue("head_4_gb", head_sizes[4], display=False)
@@ -124,11 +127,14 @@ glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
 for row in variant_rows:
     glue(f"total_gib_{row['trunk bits']}", row["total GiB"], display=False)
     glue(f"trunk_gb_{row['trunk bits']}", row["trunk GB"], display=False)
-    glue(f"card_{row['trunk bits']}", row["model card's table"], display=False)
+    glue(f"card_{row['trunk bits']}", row["seed's card (GB)"], display=False)
 
 # %% [markdown]
 # The real model has {glue:text}`real_total:.1f` B parameters, {glue:text}`real_active:.2f` B of them
-# active per token. The model card's {glue:text}`card_4`, {glue:text}`card_6` and {glue:text}`card_8` GB
+# ({glue:text}`real_active_share:.1f`%) active per token, and its head holds {glue:text}`real_head_share:.1f`%
+# of them.
+# The model card of lemon-mlx-engine, the engine this book started from (the {term}`seed`), gives
+# {glue:text}`card_4`, {glue:text}`card_6` and {glue:text}`card_8` GB: those
 # are the whole file, trunk and bf16 head, counted in GiB: {glue:text}`total_gib_4:.1f`,
 # {glue:text}`total_gib_6:.1f` and {glue:text}`total_gib_8:.1f` GiB. Set beside the trunk alone in GB
 # ({glue:text}`trunk_gb_4:.1f`, {glue:text}`trunk_gb_6:.1f`, {glue:text}`trunk_gb_8:.1f`) they only seem to

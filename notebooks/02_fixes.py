@@ -45,9 +45,10 @@ import statistics
 import textwrap
 import warnings
 
+# qmtp first: it chooses the BLAS that MLX loads when first imported (qmtp.blas)
+import qmtp
 import matplotlib.pyplot as plt
 import mlx.core as mx
-import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
 from qmtp.book import budget, evaluate, inventory, mistakes, results
@@ -185,22 +186,27 @@ Markdown(inventory.markdown_table(shown, ["norm weight", "count", "shifted"]))
 
 # %% [markdown]
 # The norms not shifted: {glue:text}`unshifted_norms`. The stored weights of the others sit around zero;
-# what the model multiplies by sits around one ({numref}`fig-norm-weights`). Applied as stored, every
-# normalised activation is scaled nearly to nothing.
+# what the model multiplies by sits around one ({numref}`fig-norm-weights`). Applied as stored, a norm
+# multiplies most of its activations by a number well below one, and flips the sign of those whose w is
+# negative ({glue:text}`norm_negative_share:.0%` of the weights here).
 
-# %% mystnb={"figure": {"caption": "The {glue:text}`n_norm_weights` weights of the zero-centred norms of this model: as stored (left) their median is {glue:text}`norm_stored_median:.3f`, as the model applies them, 1 + w (right), {glue:text}`norm_effective_median:.3f`. Used as stored, each norm would multiply its activations by about the left-hand values, nearly zero.", "name": "fig-norm-weights"}}
+# %% mystnb={"figure": {"caption": "The {glue:text}`n_norm_weights` weights of the zero-centred norms of this model: as stored (left) their median is {glue:text}`norm_stored_median:.3f`, {glue:text}`norm_small_share:.0%` of them lie within 0.5 of zero and {glue:text}`norm_negative_share:.0%` are negative; as the model applies them, 1 + w (right), their median is {glue:text}`norm_effective_median:.3f`. Used as stored, a norm would multiply each activation by its w: it would shrink most of them and flip the sign of every one whose w is negative.", "name": "fig-norm-weights"}}
 weights = mistakes.norm_weights(path, **load_options)
 fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
 axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
 axes[0].set_title("stored w")
-axes[0].set_xlabel("weight value (a multiplier, no unit)")
+axes[0].set_xlabel("stored value w (no unit)")
 axes[1].hist(weights["effective"], bins=60, color="#F58518")
 axes[1].set_title("effective 1 + w")
-axes[1].set_xlabel("weight value (a multiplier, no unit)")
+axes[1].set_xlabel("multiplier applied, 1 + w (no unit)")
 axes[0].set_ylabel("number of weights")
 glue("n_norm_weights", len(weights["stored"]), display=False)
 glue("norm_stored_median", statistics.median(weights["stored"]), display=False)
 glue("norm_effective_median", statistics.median(weights["effective"]), display=False)
+glue("norm_small_share", sum(abs(w) < 0.5 for w in weights["stored"]) / len(weights["stored"]),
+     display=False)
+glue("norm_negative_share", sum(w < 0 for w in weights["stored"]) / len(weights["stored"]),
+     display=False)
 
 # %% [markdown]
 # ## The +1 applied twice
@@ -269,12 +275,12 @@ glue("uniform", 1 / vocab, display=False)
 # %% [markdown]
 # Shifted twice, the model is right more often than left as stored ({glue:text}`twice_acc:.3f` against
 # {glue:text}`w_acc:.3f`) and yet has the worse perplexity ({glue:text}`twice_ppl:.1f` against
-# {glue:text}`w_ppl:.1f`). The two are wrong in different ways. Left as stored, every norm scales its output
-# nearly to zero, the logits come out nearly flat, and the model gives its top choice only
+# {glue:text}`w_ppl:.1f`). The two are wrong in different ways. Left as stored, every norm shrinks most of its
+# output (and flips the sign of part of it), the logits come out nearly flat, and the model gives its top choice only
 # {glue:text}`w_top:.3f` on average (an even spread over its {glue:text}`vocab` tokens would give each
 # {glue:text}`uniform:.4f`): it is unsure of everything, so
 # where it is wrong the true token still gets its small share, a loss of {glue:text}`w_wrong_loss:.2f` nats.
-# Shifted twice, every norm doubles its output instead: the model is nearly as sure of itself as the correct
+# Shifted twice, every norm multiplies by 2 + w, about twice the right amount: the model is nearly as sure of itself as the correct
 # one (its top choice gets {glue:text}`twice_top:.3f`, against {glue:text}`once_top:.3f`), right
 # {glue:text}`twice_acc:.3f` of the time and sure of the wrong token the rest, where the true one costs
 # {glue:text}`twice_wrong_loss:.2f` nats. Perplexity is the exponential of the mean

@@ -47,8 +47,9 @@ import textwrap
 import warnings
 from pathlib import Path
 
-import mlx.core as mx
+# qmtp first: it chooses the BLAS that MLX loads when first imported (qmtp.blas)
 import qmtp
+import mlx.core as mx
 from IPython.display import Markdown
 from mlx.utils import tree_flatten, tree_map
 from myst_nb import glue
@@ -287,15 +288,15 @@ saved = results.save(
 #   into a temporary folder and renames it into place only when everything is written.
 
 # %% [markdown]
-# ## What a conversion costs
+# ## How a conversion streams
 #
 # `convert` never holds the model, nor even a whole tensor: it reads a block of about 16 MiB of one tensor's
 # rows at a time (a few experts; the gate or up half of a fused tensor read straight from the file, without
 # mapping it), fixes and quantizes it on two CPU streams while a worker thread hands the previous blocks to
-# the writer, and renames the finished folder into place only after its files are on the disk. `python -m qmtp bench convert` measures what that buys: it
-# writes a synthetic checkpoint of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert`
-# and a plain `cp` of the source in the same run, with each one's peak memory. It takes a few minutes and
-# several gigabytes of disk, so the book does not run it.
+# the writer, and renames the finished folder into place only after its files are on the disk. What that buys
+# in time and memory is measured by `python -m qmtp bench convert`, not here: it writes a synthetic checkpoint
+# of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert` and a plain `cp` of the source in
+# the same run, with each one's peak memory, which takes a few minutes and several gigabytes of disk.
 
 # %% [markdown]
 # ## Exercises
