@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 2. Why the output is incoherent without the fixes
 #
-# Qwen3-Next-family checkpoints need two changes on their way into MLX. The zero-centred RMSNorm
+# {term}`Qwen3-Next`-family checkpoints need two changes on their way into MLX. The zero-centred RMSNorm
 # weights are stored as `w` and applied as `1 + w`; the depthwise convolution of the linear-attention
 # layers is stored in PyTorch's layout `[C, 1, K]` while MLX's `conv1d` wants `[C, K, 1]`.
 # `qmtp.load(path, fixes=...)` applies either, both or neither; this chapter loads the model each way.
@@ -41,22 +41,30 @@
 # :::
 
 # %% tags=["hide-input"]
+import statistics
 import textwrap
 import warnings
 
-import matplotlib.pyplot as plt
+# qmtp first: it chooses the BLAS that MLX loads when first imported (qmtp.blas)
 import qmtp
+import matplotlib.pyplot as plt
+import mlx.core as mx
 from IPython.display import Markdown
 from myst_nb import glue
 from qmtp.book import budget, evaluate, inventory, mistakes, results
 
-warnings.simplefilter("ignore", UserWarning)  # the loader warns about every fix left out: the point here
+# the loader warns about every fix left out: the point here
+warnings.simplefilter("ignore", UserWarning)
 path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release: see qmtp.book.budget
 load_options = dict(layers=budget.LAYERS, head=False) if FULL else {}
-texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(8)
+texts = (
+    evaluate.heldout_texts(1)[: budget.FIXES_TEXTS]
+    if FULL
+    else evaluate.heldout_texts(8)
+)
 measure = {}
 if FULL:
     measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
@@ -105,24 +113,44 @@ prompt = "Once upon a time, a little fox named"
 # never saw in training; the continuation is greedy.
 
 # %%
-variants = {"neither fix": (), "conv fix only": ("conv",), "norm fix only": ("norm",), "both fixes": ("norm", "conv")}
+variants = {
+    "neither fix": (),
+    "conv fix only": ("conv",),
+    "norm fix only": ("norm",),
+    "both fixes": ("norm", "conv"),
+}
 rows = []
 for label, fixes in variants.items():
-    result = mistakes.outcome(lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
-                              texts, prompt, **measure)
+    result = mistakes.outcome(
+        lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
+        texts,
+        prompt,
+        **measure,
+    )
     rows.append({"load": label, **result})
 
 
 def show(row):
     if not row["runs"]:
-        return {"accuracy": "-", "perplexity": "-",
-                "what happens": "MLX refuses: " + textwrap.shorten(row["error"], 90, placeholder=" …")}
-    return {"accuracy": f"{row['accuracy']:.3f}", "perplexity": f"{row['perplexity']:.1f}",
-            "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …")}
+        return {
+            "accuracy": "-",
+            "perplexity": "-",
+            "what happens": "MLX refuses: "
+            + textwrap.shorten(row["error"], 90, placeholder=" …"),
+        }
+    return {
+        "accuracy": f"{row['accuracy']:.3f}",
+        "perplexity": f"{row['perplexity']:.1f}",
+        "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …"),
+    }
 
 
-Markdown(inventory.markdown_table([{"load": r["load"], **show(r)} for r in rows],
-                                  ["load", "accuracy", "perplexity", "what happens"]))
+Markdown(
+    inventory.markdown_table(
+        [{"load": r["load"], **show(r)} for r in rows],
+        ["load", "accuracy", "perplexity", "what happens"],
+    )
+)
 
 # %%
 by_label = {r["load"]: r for r in rows}
@@ -140,18 +168,45 @@ glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
 #
 # ## The norm weights, stored and effective
 #
-# The stored weights sit around zero; what the model multiplies by sits around one. Applied as stored,
-# every normalised activation is scaled nearly to nothing.
+# Not every norm is zero-centred. The fix shifts the RMSNorms before each mixer and each MoE, the query and
+# key norms of the attention layers, the final norm and the head's norms; it leaves alone the gated norm at the
+# output of each delta-net layer (`linear_attn.norm`), whose weight is stored as it is applied. The list is
+# read from the model's own modules, with the fix's test (`fixes.is_zero_centred_norm`) for each:
 
 # %%
+kinds = mistakes.norm_kinds(qmtp.ModelConfig.from_file(path))
+unshifted = [k["norm weight"] for k in kinds if not k["shifted"]]
+glue("unshifted_norms", ", ".join(unshifted) or "none", display=False)
+shown = [
+    {**k, "norm weight": f"`{k['norm weight']}`",
+     "shifted": "1 + w" if k["shifted"] else "no: w as stored"}
+    for k in kinds
+]
+Markdown(inventory.markdown_table(shown, ["norm weight", "count", "shifted"]))
+
+# %% [markdown]
+# The norms not shifted: {glue:text}`unshifted_norms`. The stored weights of the others sit around zero;
+# what the model multiplies by sits around one ({numref}`fig-norm-weights`). Applied as stored, a norm
+# multiplies most of its activations by a number well below one, and flips the sign of those whose w is
+# negative ({glue:text}`norm_negative_share:.0%` of the weights here).
+
+# %% mystnb={"figure": {"caption": "The {glue:text}`n_norm_weights` weights of the zero-centred norms of this model: as stored (left) their median is {glue:text}`norm_stored_median:.3f`, {glue:text}`norm_small_share:.0%` of them lie within 0.5 of zero and {glue:text}`norm_negative_share:.0%` are negative; as the model applies them, 1 + w (right), their median is {glue:text}`norm_effective_median:.3f`. Used as stored, a norm would multiply each activation by its w: it would shrink most of them and flip the sign of every one whose w is negative.", "name": "fig-norm-weights"}}
 weights = mistakes.norm_weights(path, **load_options)
-fig, axes = plt.subplots(1, 2, figsize=(8, 2.8), sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
 axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
 axes[0].set_title("stored w")
+axes[0].set_xlabel("stored value w (no unit)")
 axes[1].hist(weights["effective"], bins=60, color="#F58518")
 axes[1].set_title("effective 1 + w")
-axes[0].set_ylabel("weights")
-fig.tight_layout()
+axes[1].set_xlabel("multiplier applied, 1 + w (no unit)")
+axes[0].set_ylabel("number of weights")
+glue("n_norm_weights", len(weights["stored"]), display=False)
+glue("norm_stored_median", statistics.median(weights["stored"]), display=False)
+glue("norm_effective_median", statistics.median(weights["effective"]), display=False)
+glue("norm_small_share", sum(abs(w) < 0.5 for w in weights["stored"]) / len(weights["stored"]),
+     display=False)
+glue("norm_negative_share", sum(w < 0 for w in weights["stored"]) / len(weights["stored"]),
+     display=False)
 
 # %% [markdown]
 # ## The +1 applied twice
@@ -159,14 +214,77 @@ fig.tight_layout()
 # A converter that cannot tell whether the shift was already applied, run on an MLX checkpoint, adds
 # it again. qmtp records the fixes it applied in the file it writes and never applies one twice; here
 # is what a second shift would do.
+#
+# Left as stored (w) is the load without the norm fix, the *conv fix only* row above: its row here is that
+# measurement, not a second one. (Subtracting one again from the fixed weights would not give w back: the fix
+# returns 1 + w in the checkpoint's bfloat16, whose step near one is {glue:text}`bf16_step_at_one:.4f`, so w
+# would come back rounded, and its perplexity would differ slightly.) Two more columns say how
+# sure each model is: the mean probability it gives its own top choice, and its mean loss, in nats, at the
+# positions where that choice is wrong.
 
 # %%
-shifts = {label: mistakes.outcome(
-              lambda s=label: mistakes.with_norm_shift(path, s, **load_options),
-              texts, prompt, **measure)
-          for label in mistakes.NORM_SHIFTS}
-shift_rows = [{"norm weights": label, **show(result)} for label, result in shifts.items()]
-Markdown(inventory.markdown_table(shift_rows, ["norm weights", "accuracy", "perplexity", "what happens"]))
+one, above_one = mx.array(1.0, mx.bfloat16), mx.array(1.0 + 2**-7, mx.bfloat16)
+glue("bf16_step_at_one", float(above_one - one), display=False)
+shifts = {}
+for label, delta in mistakes.NORM_SHIFTS.items():
+    if delta == -1.0:  # the load without the norm fix, measured above
+        shifts[label] = by_label["conv fix only"]
+    else:
+        shifted = lambda s=label: mistakes.with_norm_shift(path, s, **load_options)
+        shifts[label] = mistakes.outcome(shifted, texts, prompt, **measure)
+shift_rows = [
+    {
+        "norm weights": label,
+        **show(result),
+        "top choice": f"{result['top_probability']:.3f}",
+        "loss where wrong": f"{result['loss_when_wrong']:.2f}",
+    }
+    for label, result in shifts.items()
+]
+Markdown(
+    inventory.markdown_table(
+        shift_rows,
+        [
+            "norm weights",
+            "accuracy",
+            "perplexity",
+            "top choice",
+            "loss where wrong",
+            "what happens",
+        ],
+    )
+)
+
+# %%
+unshifted_run = shifts["not shifted (w)"]
+twice = shifts["shifted twice (2 + w), a re-conversion"]
+glue("w_top", unshifted_run["top_probability"], display=False)
+glue("w_wrong_loss", unshifted_run["loss_when_wrong"], display=False)
+glue("w_acc", unshifted_run["accuracy"], display=False)
+glue("twice_top", twice["top_probability"], display=False)
+glue("twice_wrong_loss", twice["loss_when_wrong"], display=False)
+glue("twice_acc", twice["accuracy"], display=False)
+once = shifts["shifted once (1 + w), correct"]
+glue("once_top", once["top_probability"], display=False)
+glue("twice_ppl", twice["perplexity"], display=False)
+glue("w_ppl", unshifted_run["perplexity"], display=False)
+vocab = qmtp.ModelConfig.from_file(path).vocab_size
+glue("vocab", vocab, display=False)
+glue("uniform", 1 / vocab, display=False)
+
+# %% [markdown]
+# Shifted twice, the model is right more often than left as stored ({glue:text}`twice_acc:.3f` against
+# {glue:text}`w_acc:.3f`) and yet has the worse perplexity ({glue:text}`twice_ppl:.1f` against
+# {glue:text}`w_ppl:.1f`). The two are wrong in different ways. Left as stored, every norm shrinks most of its
+# output (and flips the sign of part of it), the logits come out nearly flat, and the model gives its top choice only
+# {glue:text}`w_top:.3f` on average (an even spread over its {glue:text}`vocab` tokens would give each
+# {glue:text}`uniform:.4f`): it is unsure of everything, so
+# where it is wrong the true token still gets its small share, a loss of {glue:text}`w_wrong_loss:.2f` nats.
+# Shifted twice, every norm multiplies by 2 + w, about twice the right amount: the model is nearly as sure of itself as the correct
+# one (its top choice gets {glue:text}`twice_top:.3f`, against {glue:text}`once_top:.3f`), right
+# {glue:text}`twice_acc:.3f` of the time and sure of the wrong token the rest, where the true one costs
+# {glue:text}`twice_wrong_loss:.2f` nats. Perplexity is the exponential of the mean
+# loss, so those confident errors outweigh the extra right answers.
 
 # %% [markdown]
 # ## Which conv mistakes fail loudly, and which silently
@@ -180,10 +298,23 @@ conv_rows, conv_runs = [], {}
 for label in mistakes.CONV_MISTAKES:
     result = mistakes.outcome(
         lambda m=label: mistakes.with_conv_mistake(path, m, **load_options),
-        texts, prompt, **measure)
+        texts,
+        prompt,
+        **measure,
+    )
     conv_runs[label] = result
-    conv_rows.append({"conversion": label, **show(result), "loud": "loud" if not result["runs"] else "silent or fine"})
-Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]))
+    conv_rows.append(
+        {
+            "conversion": label,
+            **show(result),
+            "loud": "loud" if not result["runs"] else "silent or fine",
+        }
+    )
+Markdown(
+    inventory.markdown_table(
+        conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]
+    )
+)
 
 # %% [markdown]
 # The reshape gives exactly the correct kernel, because the axis it moves has length one; the two
@@ -191,14 +322,22 @@ Markdown(inventory.markdown_table(conv_rows, ["conversion", "accuracy", "perplex
 # order, runs without complaint and degrades the text: those are the mistakes to test for.
 
 # %%
-saved = results.save("02_fixes", path, {
-    "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
-    "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
-    "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"]["accuracy"],
-    "conv_mistake_accuracy": {label: r["accuracy"] if r["runs"] else None
-                              for label, r in conv_runs.items()},
-    "layers": budget.LAYERS if FULL else config.num_hidden_layers,
-})
+saved = results.save(
+    "02_fixes",
+    path,
+    {
+        "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
+        "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
+        "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"][
+            "accuracy"
+        ],
+        "conv_mistake_accuracy": {
+            label: r["accuracy"] if r["runs"] else None
+            for label, r in conv_runs.items()
+        },
+        "layers": budget.LAYERS if FULL else config.num_hidden_layers,
+    },
+)
 
 # %% [markdown]
 # ## Exercises

@@ -17,7 +17,7 @@
 # # 3. Converting to one file
 #
 # `qmtp.convert` (or `python -m qmtp convert SRC DST`) turns a released checkpoint into one
-# `model.safetensors` that holds trunk and MTP head, with the fixes applied once and recorded, the trunk
+# `model.safetensors` that holds {term}`trunk` and MTP {term}`head`, with the fixes applied once and recorded, the trunk
 # quantized and the head kept in bf16. It streams: one tensor group at a time is read, fixed,
 # quantized and written, into a temporary folder that is renamed into place only when it is complete.
 #
@@ -40,14 +40,16 @@
 # :::
 
 # %% tags=["hide-input"]
+import inspect
 import json
 import tempfile
 import textwrap
 import warnings
 from pathlib import Path
 
-import mlx.core as mx
+# qmtp first: it chooses the BLAS that MLX loads when first imported (qmtp.blas)
 import qmtp
+import mlx.core as mx
 from IPython.display import Markdown
 from mlx.utils import tree_flatten, tree_map
 from myst_nb import glue
@@ -84,13 +86,53 @@ source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(target)
 
 
 def listing(ckpt, prefix):
-    return [{"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))} for n, i in sorted(ckpt.infos.items())
-            if n.startswith(prefix)]
+    return [
+        {"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))}
+        for n, i in sorted(ckpt.infos.items())
+        if n.startswith(prefix)
+    ]
 
 
-Markdown("**Layer 0's experts, as released**\n\n" + inventory.markdown_table(listing(source, "model.language_model.layers.0.mlp.experts"), ["tensor", "dtype", "shape"])
-         + "\n\n**Layer 0's experts, converted**\n\n" + inventory.markdown_table(listing(converted, "language_model.model.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"])
-         + "\n\n**The head's experts, converted (bf16)**\n\n" + inventory.markdown_table(listing(converted, "mtp.layers.0.mlp.switch_mlp"), ["tensor", "dtype", "shape"]))
+columns = ["tensor", "dtype", "shape"]
+tiny_config = qmtp.ModelConfig.from_file(path)
+# the group size the conversion above used: convert's default
+group_size = inspect.signature(convert).parameters["group_size"].default
+real_inter = qmtp.QWEN36_35B_A3B.moe_intermediate_size
+glue("group_size", group_size, display=False)
+glue("tiny_moe_inter", tiny_config.moe_intermediate_size, display=False)
+glue("real_moe_inter", real_inter, display=False)
+glue("real_down_groups", real_inter // group_size, display=False)
+down_quantized = tiny_config.moe_intermediate_size % group_size == 0
+glue("down_proj_quantized", "is" if down_quantized else "is not", display=False)
+glue(
+    "down_proj_outcome",
+    (
+        "is quantized like gate_proj and up_proj"
+        if down_quantized
+        else "is still bf16, while gate_proj and up_proj, whose input is the hidden "
+        "state, are quantized"
+    ),
+    display=False,
+)
+released = listing(source, "model.language_model.layers.0.mlp.experts")
+trunk_experts = listing(converted, "language_model.model.layers.0.mlp.switch_mlp")
+head_experts = listing(converted, "mtp.layers.0.mlp.switch_mlp")
+Markdown(
+    "**Layer 0's experts, as released**\n\n"
+    + inventory.markdown_table(released, columns)
+    + "\n\n**Layer 0's experts, converted**\n\n"
+    + inventory.markdown_table(trunk_experts, columns)
+    + "\n\n**The head's experts, converted (bf16)**\n\n"
+    + inventory.markdown_table(head_experts, columns)
+)
+
+# %% [markdown]
+# A weight is quantized in groups of {glue:text}`group_size` values along its input (last) dimension, so only a
+# weight whose input dimension is a multiple of the group size can be; any other stays bf16. An expert's
+# `down_proj` takes the expert's intermediate activations as input: {glue:text}`tiny_moe_inter` values wide in
+# this model, which {glue:text}`down_proj_quantized` a multiple of {glue:text}`group_size`: that is why the
+# converted `down_proj` above {glue:text}`down_proj_outcome`. The real model's experts are {glue:text}`real_moe_inter` wide, {glue:text}`real_down_groups`
+# groups: there every expert projection is quantized.
 
 # %% [markdown]
 # ## The metadata
@@ -102,11 +144,24 @@ Markdown("**Layer 0's experts, as released**\n\n" + inventory.markdown_table(lis
 meta = converted.metadata
 widths = json.loads(meta["qmtp.quantization"])
 summary = {k: v for k, v in meta.items() if k != "qmtp.quantization"}
-examples = dict([next((k, v) for k, v in widths.items() if v["bits"]), next((k, v) for k, v in widths.items() if not v["bits"])])
-summary["qmtp.quantization"] = f"{len(widths)} entries, one per stored weight (two below)"
+examples = dict(
+    [
+        next((k, v) for k, v in widths.items() if v["bits"]),
+        next((k, v) for k, v in widths.items() if not v["bits"]),
+    ]
+)
+summary["qmtp.quantization"] = (
+    f"{len(widths)} entries, one per stored weight (two below)"
+)
 summary["qmtp.source_digest"] = summary["qmtp.source_digest"][:16] + "…"
-Markdown(inventory.markdown_table([{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"])
-         + "\n\n```json\n" + json.dumps(examples, indent=1) + "\n```")
+Markdown(
+    inventory.markdown_table(
+        [{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"]
+    )
+    + "\n\n```json\n"
+    + json.dumps(examples, indent=1)
+    + "\n```"
+)
 
 # %%
 try:
@@ -130,18 +185,24 @@ with warnings.catch_warnings():
     roundtrip = qmtp.load(target, **load_options)
 texts = evaluate.heldout_texts(3)
 if FULL:
-    texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
+    texts = evaluate.heldout_texts(1)[: budget.FIXES_TEXTS]
 close = evaluate.logit_agreement(roundtrip, original, texts)
-converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(tree_flatten(original.parameters()))
+converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(
+    tree_flatten(original.parameters())
+)
 quantized = {n.rsplit(".", 1)[0] for n in converted_params if n.endswith(".scales")}
 unquantized = [n for n in converted_params if n.rsplit(".", 1)[0] not in quantized]
-unquantized_equal = all(mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized)
+unquantized_equal = all(
+    mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized
+)
 head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
 glue("check_bits", budget.BITS if FULL else 8, display=False)
 glue("q8_top1", close["top1_agreement"], display=False)
 glue("q8_relerr", close["max_relative_error"], display=False)
-print(f"{len(unquantized)} unquantized tensors, all identical to the source's: {unquantized_equal}; "
-      f"head complete: {head_complete}")
+print(
+    f"{len(unquantized)} unquantized tensors, all identical to the source's: "
+    f"{unquantized_equal}; head complete: {head_complete}"
+)
 print("against the source:", ", ".join(f"{k} {v:.4g}" for k, v in close.items()))
 assert unquantized_equal and head_complete
 
@@ -163,15 +224,24 @@ if FULL:  # a second whole model in memory: left out at full size (qmtp.book.bud
     print("mlx-lm is not loaded at full size")
 else:
     reference, _ = load_model(target)
-    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must
-    # too
-    reference.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
-                              reference.parameters()))
+    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads
+    # them that way, so mlx-lm must too
+    reference.update(
+        tree_map(
+            lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
+            reference.parameters(),
+        )
+    )
     names = [n for n, _ in tree_flatten(reference.parameters())]
     same = evaluate.logit_agreement(roundtrip, reference, texts)
-    glue("mlxlm_mtp_tensors", sum(n.startswith("mtp") or ".mtp." in n for n in names), display=False)
+    glue(
+        "mlxlm_mtp_tensors",
+        sum(n.startswith("mtp") or ".mtp." in n for n in names),
+        display=False,
+    )
     glue("mlxlm_relerr", same["max_relative_error"], display=False)
-    print(f"mlx-lm parameters: {len(names)}, of which MTP: {sum('mtp' in n for n in names)}")
+    n_mtp = sum("mtp" in n for n in names)
+    print(f"mlx-lm parameters: {len(names)}, of which MTP: {n_mtp}")
     print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
 
 # %% [markdown]
@@ -180,13 +250,17 @@ else:
 # head that drafts.
 
 # %%
-saved = results.save("03_converting", path, {
-    "bits": budget.BITS if FULL else 8,
-    "top1_agreement": close["top1_agreement"],
-    "max_relative_error": close["max_relative_error"],
-    "unquantized_equal": bool(unquantized_equal),
-    "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
-})
+saved = results.save(
+    "03_converting",
+    path,
+    {
+        "bits": budget.BITS if FULL else 8,
+        "top1_agreement": close["top1_agreement"],
+        "max_relative_error": close["max_relative_error"],
+        "unquantized_equal": bool(unquantized_equal),
+        "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
+    },
+)
 
 # %% [markdown]
 # ## How this converter differs from the seed's
@@ -196,9 +270,11 @@ saved = results.save("03_converting", path, {
 # `switch_mlp`, a `quantization` block in `config.json`, the router at 8 bits, the norms shifted in float32,
 # the tokenizer files copied. Where the two differ, qmtp follows mlx-lm or what this book measures:
 #
-# - **the head's width**: the seed quantizes the head at `--bits`; qmtp keeps it in bf16 (`mtp_bits=None`,
-#   chapter 4 measures what quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at
-#   the router width, as in the trunk;
+# - **the head's width**: the seed's converter quantizes the head at `--bits` unless it is given `--mtp-bits 0`
+#   (its `examples/convert.cpp`: `mtp_bits` defaults to `bits`), although the seed's model card recommends a
+#   bf16 head; qmtp keeps the head in bf16 unless asked otherwise (`mtp_bits=None`; chapter 4 measures what
+#   quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at the router width, as
+#   in the trunk;
 # - **`lm_head`**: the seed defaults to 8 bits, qmtp to `bits`, as mlx-lm does (`lm_head_bits=8` gives the
 #   seed's);
 # - **`shared_expert_gate`**: the seed's router rule matches only `mlp.gate`, so it quantizes this `[1, H]` gate
@@ -212,15 +288,15 @@ saved = results.save("03_converting", path, {
 #   into a temporary folder and renames it into place only when everything is written.
 
 # %% [markdown]
-# ## What a conversion costs
+# ## How a conversion streams
 #
 # `convert` never holds the model, nor even a whole tensor: it reads a block of about 16 MiB of one tensor's
 # rows at a time (a few experts; the gate or up half of a fused tensor read straight from the file, without
 # mapping it), fixes and quantizes it on two CPU streams while a worker thread hands the previous blocks to
-# the writer, and renames the finished folder into place only after its files are on the disk. `python -m qmtp bench convert` measures what that buys: it
-# writes a synthetic checkpoint of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert`
-# and a plain `cp` of the source in the same run, with each one's peak memory. It takes a few minutes and
-# several gigabytes of disk, so the book does not run it.
+# the writer, and renames the finished folder into place only after its files are on the disk. What that buys
+# in time and memory is measured by `python -m qmtp bench convert`, not here: it writes a synthetic checkpoint
+# of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert` and a plain `cp` of the source in
+# the same run, with each one's peak memory, which takes a few minutes and several gigabytes of disk.
 
 # %% [markdown]
 # ## Exercises

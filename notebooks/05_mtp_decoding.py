@@ -45,7 +45,7 @@
 # **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
-# %%
+# %% tags=["hide-input"]
 import textwrap
 
 import qmtp
@@ -59,7 +59,9 @@ print(inventory.describe(path))
 print(textwrap.fill("Timed on: " + machine.line(), 72))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
-glue("budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False)
+glue(
+    "budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False
+)
 model = qmtp.load(budget.decoding_model(path))
 texts = evaluate.heldout_by_register(2)
 ONLY = budget.DECODE["prompts"] if FULL else None  # prompts used: all, or the budget's
@@ -94,9 +96,11 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # ```{literalinclude} ../qmtp/decoding.py
 # :pyobject: Greedy.accept
 # :language: python
+# :dedent: 4
 # ```
 #
-# Sampling replaces this by rejection sampling (`Rejection.accept`), which keeps the law of the trunk alone.
+# Sampling replaces this by rejection sampling (`Rejection.accept`), whose tokens have the distribution of
+# sampling the trunk alone.
 #
 # **Roll back.** Attention needs nothing: the offset advances by the kept tokens, and the entries past it
 # are masked and later overwritten. A linear-attention layer has one state, not one entry per position, so
@@ -114,10 +118,20 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # Each row is one trunk pass at `n_draft=3`: the head's drafts that the trunk accepted, the first one it
 # rejected, and the token the trunk adds itself.
 
-# %%
-example = qmtp.generate(model, "Once upon a time, a little fox named",
-                        max_tokens=MAX_TOKENS if FULL else 36, n_draft=3)
+# %% mystnb={"figure": {"caption": "The worked example, one row per trunk pass at n_draft 3: {glue:text}`ex_tokens` tokens in {glue:text}`ex_passes` passes after the prefill, {glue:text}`ex_accepted` of the head's {glue:text}`ex_proposed` drafts accepted (green), the first draft rejected in a pass struck out (red), and the trunk's own token ending each pass (blue).", "name": "fig-worked-example"}}
+example = qmtp.generate(
+    model,
+    "Once upon a time, a little fox named",
+    max_tokens=MAX_TOKENS if FULL else 36,
+    n_draft=3,
+)
 fig = plots.speculative_steps(example, model.tokenizer)
+example_passes = plots.shown_passes(example)
+glue("ex_tokens", len(example.tokens), display=False)
+glue("ex_passes", len(example_passes), display=False)
+glue("ex_accepted", sum(len(a) for a, _, _ in example_passes), display=False)
+proposed = sum(len(a) + (r is not None) for a, r, _ in example_passes)
+glue("ex_proposed", proposed, display=False)
 
 # %% [markdown]
 # ## Lossless, checked live
@@ -131,7 +145,8 @@ for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
     mismatches += sum(
         qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
-        for n in N_DRAFTS)
+        for n in N_DRAFTS
+    )
 glue("lossless_checks", len(N_DRAFTS) * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
 assert mismatches == 0
@@ -145,9 +160,11 @@ assert mismatches == 0
 # A draft at position `i` is proposed only when the drafts before it were accepted; its acceptance is
 # counted over those occasions.
 
-# %%
-by_n = {n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
-        for n in N_DRAFTS}
+# %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft, nudged sideways so that none hides another: the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2, the second {glue:text}`acc_n3_second:.2f` of the times it is proposed at n_draft 3. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at {glue:text}`n_wide`.", "name": "fig-acceptance-position"}}
+by_n = {
+    n: evaluate.acceptance(model, prompts, n_draft=n, max_tokens=MAX_TOKENS)
+    for n in N_DRAFTS
+}
 fig = plots.acceptance_by_position(by_n)
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
@@ -176,23 +193,44 @@ previous = evaluate.previous_head(model)
 if previous is not None:
     heads = {"previous head": previous, "chained-trained head": None}
     compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
-    print(f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} {'tokens/pass':>11} {'speed vs previous':>17}")
+    print(
+        f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
+        f"{'tokens/pass':>11} {'speed vs previous':>17}"
+    )
     for n in range(2, 6):
         for label in heads:
             r = compared[label][n]
             per = ", ".join(f"{a:.2f}" for a in r["per_position"])
-            print(f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} {r['speed_ratio_to_first']:>17.2f}")
+            print(
+                f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
+                f"{r['speed_ratio_to_first']:>17.2f}"
+            )
     old, new = compared["previous head"], compared["chained-trained head"]
     head_glue = {
-        "old_n3_first": old[3]["per_position"][0], "new_n3_first": new[3]["per_position"][0],
-        "old_n3_second": old[3]["per_position"][1], "new_n3_second": new[3]["per_position"][1],
-        "old_tpp_n4": old[4]["tokens_per_trunk_pass"], "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
-        "speed_ratio_n4": new[4]["speed_ratio_to_first"], "speed_ratio_n5": new[5]["speed_ratio_to_first"],
+        "old_n3_first": old[3]["per_position"][0],
+        "new_n3_first": new[3]["per_position"][0],
+        "old_n3_second": old[3]["per_position"][1],
+        "new_n3_second": new[3]["per_position"][1],
+        "old_tpp_n4": old[4]["tokens_per_trunk_pass"],
+        "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
+        "speed_ratio_n4": new[4]["speed_ratio_to_first"],
+        "speed_ratio_n5": new[5]["speed_ratio_to_first"],
     }
-else:  # a model without a kept previous head (real weights): nothing to set side by side
+else:  # no previous head kept beside the model (real weights): nothing to compare
     compared = None
-    head_glue = dict.fromkeys(["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
-                               "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+    head_glue = dict.fromkeys(
+        [
+            "old_n3_first",
+            "new_n3_first",
+            "old_n3_second",
+            "new_n3_second",
+            "old_tpp_n4",
+            "new_tpp_n4",
+            "speed_ratio_n4",
+            "speed_ratio_n5",
+        ],
+        float("nan"),
+    )
     print(f"{path} keeps no previous head: the comparison needs the bundled model")
 for name, value in head_glue.items():
     glue(name, value, display=False)
@@ -210,15 +248,31 @@ for name, value in head_glue.items():
 #
 # ## By register
 #
-# The corpus mixes registers that differ in predictability.
+# A register is a kind of text, with its own vocabulary and habits: the generated corpus mixes
+# {glue:text}`registers` (`qmtp.tiny.corpus`), which differ in how predictable the next token is, from
+# counting and the alphabet to open-ended stories. Each held-out document's first tokens are a prompt; the
+# head drafts for the continuation ({numref}`fig-by-register`).
 
-# %%
+# %% mystnb={"figure": {"caption": "Acceptance at n_draft 2 by register of the held-out prompts: highest for {glue:text}`best_register` ({glue:text}`best_register_acc:.2f`), lowest for {glue:text}`worst_register` ({glue:text}`worst_register_acc:.2f`).", "name": "fig-by-register"}}
 per_register = {}
 for register, docs in texts.items():
     register_prompts = evaluate.prompts_from(docs, model)[:ONLY]
-    per_register[register] = evaluate.acceptance(model, register_prompts, n_draft=2,
-                                                 max_tokens=MAX_TOKENS)["rate"]
-fig = plots.bars(list(per_register), list(per_register.values()), "acceptance at n_draft=2")
+    per_register[register] = evaluate.acceptance(
+        model, register_prompts, n_draft=2, max_tokens=MAX_TOKENS
+    )["rate"]
+fig = plots.bars(
+    list(per_register),
+    list(per_register.values()),
+    "acceptance at n_draft=2",
+    xlabel="register of the prompt",
+)
+best_register = max(per_register, key=per_register.get)
+worst_register = min(per_register, key=per_register.get)
+glue("registers", ", ".join(texts), display=False)
+glue("best_register", best_register, display=False)
+glue("best_register_acc", per_register[best_register], display=False)
+glue("worst_register", worst_register, display=False)
+glue("worst_register_acc", per_register[worst_register], display=False)
 
 # %% [markdown]
 # ## Ablations: what the head needs
@@ -227,7 +281,7 @@ fig = plots.bars(list(per_register), list(per_register.values()), "acceptance at
 # shared expert only), with its weights rounded to fewer bits, and fed the trunk's state before the
 # final norm instead of after it.
 
-# %%
+# %% mystnb={"figure": {"caption": "Acceptance at n_draft 2 with parts of the head taken away: {glue:text}`acc_n2:.2f` for the complete head, {glue:text}`acc_no_experts:.2f` without its routed experts, {glue:text}`acc_prenorm:.2f` fed the pre-norm state, {glue:text}`acc_head4:.2f` with its weights rounded to 4 bits and {glue:text}`acc_head3:.2f` at 3 bits.", "name": "fig-ablation"}}
 variants = {
     "complete head, bf16": dict(),
     "no routed experts": dict(head=mtp.without_routed_experts(model.mtp)),
@@ -237,13 +291,27 @@ variants = {
     "pre-norm hidden state": dict(hidden="pre"),
 }
 if FULL:
-    variants = {label: options for label, options in variants.items()
-                if label in budget.DECODE["ablations"]}
-ablation = {label: evaluate.acceptance(model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options)["rate"]
-            for label, options in variants.items()}
+    variants = {
+        label: options
+        for label, options in variants.items()
+        if label in budget.DECODE["ablations"]
+    }
+ablation = {
+    label: evaluate.acceptance(
+        model, prompts, n_draft=2, max_tokens=MAX_TOKENS, **options
+    )["rate"]
+    for label, options in variants.items()
+}
 glue("acc_no_experts", ablation["no routed experts"], display=False)
 glue("acc_prenorm", ablation["pre-norm hidden state"], display=False)
-fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft=2")
+glue("acc_head4", ablation["head weights 4-bit"], display=False)
+glue("acc_head3", ablation["head weights 3-bit"], display=False)
+fig = plots.bars(
+    list(ablation),
+    list(ablation.values()),
+    "acceptance at n_draft=2",
+    xlabel="head as run",
+)
 
 # %% [markdown]
 # Without its routed experts the head's drafts are accepted {glue:text}`acc_no_experts:.2f` of the time,
@@ -259,18 +327,30 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 widgets.step_explorer(example, model.tokenizer)
 
 # %%
-saved = results.save("05_mtp_decoding", path, {
-    "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
-    "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
-    "tokens_per_trunk_pass": {str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()},
-    "ablation": ablation,
-    "per_register": per_register,
-    "lossless_mismatches": mismatches,
-    "lossless_checks": len(N_DRAFTS) * len(prompts),
-    "machine": machine.describe(),
-    "previous_head": None if compared is None else {
-        label: {str(n): r for n, r in by_head.items()} for label, by_head in compared.items()},
-})
+saved = results.save(
+    "05_mtp_decoding",
+    path,
+    {
+        "acceptance": {str(n): r["rate"] for n, r in by_n.items()},
+        "per_position": {str(n): list(r["per_position"]) for n, r in by_n.items()},
+        "tokens_per_trunk_pass": {
+            str(n): r["tokens_per_trunk_pass"] for n, r in by_n.items()
+        },
+        "ablation": ablation,
+        "per_register": per_register,
+        "lossless_mismatches": mismatches,
+        "lossless_checks": len(N_DRAFTS) * len(prompts),
+        "machine": machine.describe(),
+        "previous_head": (
+            None
+            if compared is None
+            else {
+                label: {str(n): r for n, r in by_head.items()}
+                for label, by_head in compared.items()
+            }
+        ),
+    },
+)
 
 # %% [markdown]
 # ## Exercises

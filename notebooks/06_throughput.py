@@ -44,7 +44,7 @@
 # **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
 # :::
 
-# %%
+# %% tags=["hide-input"]
 import os
 
 import qmtp
@@ -52,8 +52,17 @@ from IPython.display import Markdown, display
 from myst_nb import glue
 import textwrap
 
-from qmtp.book import (bench, budget, claims, evaluate, inventory, machine, plots,
-                       results, throughput)
+from qmtp.book import (
+    bench,
+    budget,
+    claims,
+    evaluate,
+    inventory,
+    machine,
+    plots,
+    results,
+    throughput,
+)
 from qmtp.book.claims import CLAIMS
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -87,33 +96,81 @@ E, k = model.config.num_experts, model.config.num_experts_per_tok
 
 # %%
 print(textwrap.fill("Timed on: " + machine.line(), 72))
-report = bench.mtp(model, prompts[:1] if FULL else prompts, max_tokens=MAX_TOKENS,
-                   n_drafts=(1, 2, 3, 4, 5), repeats=REPEATS, ablate=(1, 4))
+report = bench.mtp(
+    model,
+    prompts[:1] if FULL else prompts,
+    max_tokens=MAX_TOKENS,
+    n_drafts=(1, 2, 3, 4, 5),
+    repeats=REPEATS,
+    ablate=(1, 4),
+)
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
-display(Markdown(inventory.markdown_table(
-    [{"n_draft": r["n_draft"], "tok/s": r["tokens_per_second"], "vs plain": r["speedup_vs_plain"],
-      "ideal": r["ideal_speedup"], "tokens/pass": r["tokens_per_trunk_pass"],
-      "verify ms": r["trunk_seconds_per_pass"] * 1e3, "head ms/draft": r["head_seconds_per_draft"] * 1e3,
-      "queue ms/pass": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
-      "wait ms/pass": r["phase_seconds_per_pass"].get("sync", 0) * 1e3} for r in report["results"]],
-    ["n_draft", "tok/s", "vs plain", "ideal", "tokens/pass", "verify ms", "head ms/draft", "queue ms/pass",
-     "wait ms/pass"],
-    {"tok/s": "{:.0f}", "vs plain": "{:.2f}x", "ideal": "{:.2f}x", "tokens/pass": "{:.2f}", "verify ms": "{:.2f}",
-     "head ms/draft": "{:.2f}", "queue ms/pass": "{:.2f}", "wait ms/pass": "{:.2f}"})))
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "n_draft": r["n_draft"],
+                    "tok/s": r["tokens_per_second"],
+                    "vs plain": r["speedup_vs_plain"],
+                    "ideal": r["ideal_speedup"],
+                    "tokens/pass": r["tokens_per_trunk_pass"],
+                    "verify ms": r["trunk_seconds_per_pass"] * 1e3,
+                    "head ms/draft": r["head_seconds_per_draft"] * 1e3,
+                    "queue ms/pass": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
+                    "wait ms/pass": r["phase_seconds_per_pass"].get("sync", 0) * 1e3,
+                }
+                for r in report["results"]
+            ],
+            [
+                "n_draft",
+                "tok/s",
+                "vs plain",
+                "ideal",
+                "tokens/pass",
+                "verify ms",
+                "head ms/draft",
+                "queue ms/pass",
+                "wait ms/pass",
+            ],
+            {
+                "tok/s": "{:.0f}",
+                "vs plain": "{:.2f}x",
+                "ideal": "{:.2f}x",
+                "tokens/pass": "{:.2f}",
+                "verify ms": "{:.2f}",
+                "head ms/draft": "{:.2f}",
+                "queue ms/pass": "{:.2f}",
+                "wait ms/pass": "{:.2f}",
+            },
+        )
+    )
+)
 glue("union_n2_measured", by_n[2]["experts_per_pass_measured"], display=False)
 glue("union_n2_formula", by_n[2]["experts_per_layer_independent"], display=False)
 glue("union_n5_measured", by_n[5]["experts_per_pass_measured"], display=False)
 glue("union_n5_formula", by_n[5]["experts_per_layer_independent"], display=False)
 ratio5 = by_n[5]["union_measured_over_independent"]
 glue("union_n5_ratio", ratio5, display=False)
-glue("union_verdict", "The measured union is close to the formula: neighbouring tokens route almost independently "
-     "here, and the union grows almost linearly with the tokens of the pass, so the expert bytes of a verify pass "
-     "are nearly those of n separate passes" if ratio5 >= 0.9 else
-     "The measured union is well below the formula: neighbouring tokens share many of their experts, so a verify "
-     "pass reads clearly fewer expert bytes than n separate passes", display=False)
+glue(
+    "union_verdict",
+    (
+        "The measured union is close to the formula: neighbouring tokens route almost "
+        "independently here, and the union grows almost linearly with the tokens of "
+        "the pass, so the expert bytes of a verify pass are nearly those of n separate "
+        "passes"
+        if ratio5 >= 0.9
+        else "The measured union is well below the formula: neighbouring tokens share "
+        "many of their experts, so a verify pass reads clearly fewer expert bytes than "
+        "n separate passes"
+    ),
+    display=False,
+)
 glue("tiny_E", E, display=False)
 glue("tiny_k", k, display=False)
+
+# %% mystnb={"figure": {"caption": "Distinct experts a verify pass read in each MoE layer of the tiny model (dots, one per layer), against the formula for independent routing (red line) and the bound if no two tokens shared an expert (dashed): {glue:text}`union_n5_measured:.1f` experts per layer measured for five tokens, {glue:text}`union_n5_formula:.1f` from the formula.", "name": "fig-expert-union"}}
 fig = plots.expert_union(report, E, k)
 
 # %% [markdown]
@@ -133,9 +190,10 @@ fig = plots.expert_union(report, E, k)
 # $$t = \frac{\text{bytes}}{\text{bandwidth}} + \text{overhead},$$
 #
 # the overhead being what a pass costs whatever its width (launching kernels, Python, waiting for the
-# host). For the real Qwen3.6-35B-A3B at {glue:text}`real_bits`-bit and a {glue:text}`context`-token context:
+# host). For the real Qwen3.6-35B-A3B, trunk and head both at {glue:text}`real_bits` bits (the head at the
+# trunk's width, as the seed's converter writes it by default), and a {glue:text}`context`-token context:
 
-# %%
+# %% mystnb={"figure": {"caption": "What one pass of the real Qwen3.6-35B-A3B reads, trunk and head at {glue:text}`real_bits` bits, with a {glue:text}`context`-token context, by term, computed from its config: {glue:text}`real_gb_token:.2f` GB for one token, of which routed experts are {glue:text}`real_expert_share:.0%`; {glue:text}`real_gb_verify2:.2f` GB for a verify pass over two tokens; {glue:text}`real_gb_head:.2f` GB for one step of the head, most of it lm_head.", "name": "fig-bytes-per-pass"}}
 CONTEXT, BANDWIDTH, BITS = 4096, 256 * throughput.GB, 4
 real4 = sizes(QWEN36_35B_A3B, BITS, mtp_bits=BITS)
 glue("real_bits", BITS, display=False)
@@ -154,16 +212,23 @@ one_token = throughput.total(passes["1 token"])
 glue("real_gb_token", one_token / 1e9, display=False)
 glue("real_gb_verify2", throughput.total(passes["verify 2"]) / 1e9, display=False)
 glue("real_gb_head", throughput.total(passes["head step"]) / 1e9, display=False)
-glue("real_expert_share", passes["1 token"]["routed experts"] / one_token, display=False)
+glue(
+    "real_expert_share", passes["1 token"]["routed experts"] / one_token, display=False
+)
 glue("real_ms_token", one_token / BANDWIDTH * 1e3, display=False)
 glue("real_tps_bound", BANDWIDTH / one_token, display=False)
+bf16_head = throughput.head_step_bytes(
+    QWEN36_35B_A3B, sizes(QWEN36_35B_A3B, BITS), CONTEXT
+)
+glue("real_gb_head_bf16", throughput.total(bf16_head) / 1e9, display=False)
 
 # %% [markdown]
 # One token reads {glue:text}`real_gb_token:.2f` GB, {glue:text}`real_expert_share:.0%` of it routed
 # experts: at {glue:text}`bandwidth_gb:.0f` GB/s (a unified-memory APU) that is {glue:text}`real_ms_token:.1f` ms, at most
 # {glue:text}`real_tps_bound:.0f` tokens/s. A verify pass over two tokens reads
 # {glue:text}`real_gb_verify2:.2f` GB, and each head step another {glue:text}`real_gb_head:.2f` GB, most of
-# it lm_head.
+# it lm_head; with the head kept in bf16, as this book recommends, a head step reads
+# {glue:text}`real_gb_head_bf16:.2f` GB. The predictions below keep the head at the trunk's width.
 #
 # ## Predicted speedup: the MoE against a dense model
 #
@@ -180,24 +245,52 @@ glue("real_tps_bound", BANDWIDTH / one_token, display=False)
 
 # %%
 rows = throughput.real_model_table(bits=(4, 8), bandwidth=BANDWIDTH, context=CONTEXT)
-fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 
 
 def row(bits, model_kind, n):
-    return next(r for r in rows if r["bits"] == bits and r["model"] == model_kind and r["n_draft"] == n)
+    return next(
+        r
+        for r in rows
+        if r["bits"] == bits and r["model"] == model_kind and r["n_draft"] == n
+    )
 
 
-table = [{"bits": b, "n_draft": n, "tokens/pass": row(b, "MoE", n)["tokens_per_pass"],
-          "MoE ms/step": row(b, "MoE", n)["step_ms"], "MoE tok/s": row(b, "MoE", n)["tokens_per_second"],
-          "MoE speedup": row(b, "MoE", n)["speedup"], "dense speedup": row(b, "dense, same active size", n)["speedup"]}
-         for b in (4, 8) for n in range(2, 6)]
-display(Markdown(inventory.markdown_table(table, list(table[0]), {
-    "tokens/pass": "{:.2f}", "MoE ms/step": "{:.1f}", "MoE tok/s": "{:.0f}", "MoE speedup": "{:.2f}x",
-    "dense speedup": "{:.2f}x"})))
+table = [
+    {
+        "bits": b,
+        "n_draft": n,
+        "tokens/pass": row(b, "MoE", n)["tokens_per_pass"],
+        "MoE ms/step": row(b, "MoE", n)["step_ms"],
+        "MoE tok/s": row(b, "MoE", n)["tokens_per_second"],
+        "MoE speedup": row(b, "MoE", n)["speedup"],
+        "dense speedup": row(b, "dense, same active size", n)["speedup"],
+    }
+    for b in (4, 8)
+    for n in range(2, 6)
+]
+display(
+    Markdown(
+        inventory.markdown_table(
+            table,
+            list(table[0]),
+            {
+                "tokens/pass": "{:.2f}",
+                "MoE ms/step": "{:.1f}",
+                "MoE tok/s": "{:.0f}",
+                "MoE speedup": "{:.2f}x",
+                "dense speedup": "{:.2f}x",
+            },
+        )
+    )
+)
 
 
 moe = {(b, n): row(b, "MoE", n)["speedup"] for b in (4, 8) for n in range(1, 6)}
-dense = {(b, n): row(b, "dense, same active size", n)["speedup"] for b in (4, 8) for n in range(1, 6)}
+dense = {
+    (b, n): row(b, "dense, same active size", n)["speedup"]
+    for b in (4, 8)
+    for n in range(1, 6)
+}
 best = max(moe, key=moe.get)
 glue("moe4_n2", moe[(4, 2)], display=False)
 glue("moe8_n2", moe[(8, 2)], display=False)
@@ -210,6 +303,9 @@ glue("claim_low", CLAIMS["speedup_moe"].value[0], display=False)
 glue("claim_high", CLAIMS["speedup_moe"].value[1], display=False)
 radeon = CLAIMS["speedup_radeon_890m"].value
 glue("claim_radeon", radeon[1] / radeon[0], display=False)
+
+# %% mystnb={"figure": {"caption": "Predicted speedup over plain decoding for the real model's config on a purely memory-bound machine at {glue:text}`bandwidth_gb:.0f` GB/s, with the reported acceptance: the MoE (solid) at best {glue:text}`moe_best:.2f`x, at n_draft {glue:text}`moe_best_n`, a dense model of the same active size (dashed) up to {glue:text}`dense4_best:.2f`x at 4 bits; the grey band is the {glue:text}`claim_low:.1f`x to {glue:text}`claim_high:.1f`x reported for A3B MoE models.", "name": "fig-predicted-speedups"}}
+fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 
 # %% [markdown]
 # On paper the MoE gains {glue:text}`moe4_n2:.2f`x at `n_draft=2` (4-bit; {glue:text}`moe8_n2:.2f`x at 8-bit)
@@ -231,16 +327,41 @@ glue("claim_radeon", radeon[1] / radeon[0], display=False)
 
 # %%
 cost = report["cost_model"]
-fig = plots.measured_vs_predicted(report)
-display(Markdown(inventory.markdown_table(
-    [{"n_draft": p["n_draft"], "tokens/pass": p["tokens_per_pass"], "ms/step predicted": p["predicted_step_seconds"] * 1e3,
-      "ms/step measured": p["measured_step_seconds"] * 1e3, "tok/s": by_n[p["n_draft"]]["tokens_per_second"],
-      "speedup predicted": p["predicted_speedup"], "speedup measured": p["measured_speedup"]}
-     for p in cost["predictions"]],
-    ["n_draft", "tokens/pass", "ms/step predicted", "ms/step measured", "tok/s", "speedup predicted",
-     "speedup measured"],
-    {"tokens/pass": "{:.2f}", "ms/step predicted": "{:.1f}", "ms/step measured": "{:.1f}", "tok/s": "{:.0f}",
-     "speedup predicted": "{:.2f}x", "speedup measured": "{:.2f}x"})))
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "n_draft": p["n_draft"],
+                    "tokens/pass": p["tokens_per_pass"],
+                    "ms/step predicted": p["predicted_step_seconds"] * 1e3,
+                    "ms/step measured": p["measured_step_seconds"] * 1e3,
+                    "tok/s": by_n[p["n_draft"]]["tokens_per_second"],
+                    "speedup predicted": p["predicted_speedup"],
+                    "speedup measured": p["measured_speedup"],
+                }
+                for p in cost["predictions"]
+            ],
+            [
+                "n_draft",
+                "tokens/pass",
+                "ms/step predicted",
+                "ms/step measured",
+                "tok/s",
+                "speedup predicted",
+                "speedup measured",
+            ],
+            {
+                "tokens/pass": "{:.2f}",
+                "ms/step predicted": "{:.1f}",
+                "ms/step measured": "{:.1f}",
+                "tok/s": "{:.0f}",
+                "speedup predicted": "{:.2f}x",
+                "speedup measured": "{:.2f}x",
+            },
+        )
+    )
+)
 plain, predicted = by_n[1], {p["n_draft"]: p for p in cost["predictions"]}
 drafting = [r for r in report["results"] if r["n_draft"] > 1]
 best = max(drafting, key=lambda r: r["speedup_vs_plain"])
@@ -250,16 +371,30 @@ glue("tiny_verify2_ms", by_n[2]["trunk_seconds_per_pass"] * 1e3, display=False)
 glue("tiny_bandwidth", cost["bandwidth"] / 1e9, display=False)
 glue("tiny_mb_pass", plain["trunk_bytes_per_pass"] / 1e6, display=False)
 glue("tiny_blas", report["blas"], display=False)
-glue("tiny_build_share", by_n[2]["phase_seconds_per_pass"].get("build", 0) / by_n[2]["decode_seconds_per_pass"],
-     display=False)
+glue(
+    "tiny_build_share",
+    by_n[2]["phase_seconds_per_pass"].get("build", 0)
+    / by_n[2]["decode_seconds_per_pass"],
+    display=False,
+)
 glue("tiny_ideal_n2", by_n[2]["ideal_speedup"], display=False)
 glue("tiny_head_ms", by_n[2]["head_seconds_per_draft"] * 1e3, display=False)
 glue("tiny_pred_n2", predicted[2]["predicted_speedup"], display=False)
 glue("tiny_meas_n2", by_n[2]["speedup_vs_plain"], display=False)
-glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f}x (n_draft={best['n_draft']})"
-     if best["speedup_vs_plain"] > 1 else
-     f"drafting does not pay here: even the best n_draft ({best['n_draft']}) runs at "
-     f"{best['speedup_vs_plain']:.2f}x of plain decoding", display=False)
+glue(
+    "tiny_verdict",
+    (
+        f"drafting pays here, at best {best['speedup_vs_plain']:.2f}x "
+        f"(n_draft={best['n_draft']})"
+        if best["speedup_vs_plain"] > 1
+        else f"drafting does not pay here: even the best n_draft ({best['n_draft']}) "
+        f"runs at {best['speedup_vs_plain']:.2f}x of plain decoding"
+    ),
+    display=False,
+)
+
+# %% mystnb={"figure": {"caption": "The tiny model on this machine: measured speedup over plain decoding at each n_draft (bars; whiskers the slowest and fastest rounds), the fitted cost model's prediction (red dots) and the tokens per pass that bound both (grey): {glue:text}`tiny_meas_n2:.2f`x measured at n_draft 2 against {glue:text}`tiny_pred_n2:.2f`x predicted, and {glue:text}`tiny_verdict`.", "name": "fig-measured-vs-predicted"}}
+fig = plots.measured_vs_predicted(report)
 
 # %% [markdown]
 # A plain pass of the tiny model reads {glue:text}`tiny_mb_pass:.1f` MB in {glue:text}`tiny_pass_ms:.1f` ms;
@@ -299,19 +434,41 @@ glue("tiny_verdict", f"drafting pays here, at best {best['speedup_vs_plain']:.2f
 # %%
 real = model if claims.is_real_model(model.config) else bench.real_width_model()
 seconds_per_pass = budget.BENCH["pass_budget_s"] if FULL or QUICK else 4.0
-real_passes = bench.real_width_passes(real, prompts[0], n_drafts=(2, 3),
-                                     budget=seconds_per_pass)
+real_passes = bench.real_width_passes(
+    real, prompts[0], n_drafts=(2, 3), budget=seconds_per_pass
+)
 if real is not model:
     del real  # 5 GB: not kept for the rest of the chapter
-display(Markdown(inventory.markdown_table(
-    [{"pass": r["pass"], "ms": r["seconds"] * 1e3, "time / plain": r["time_over_plain"], "MB read": r["bytes"] / 1e6,
-      "bytes / plain": r["bytes_over_plain"]} for r in real_passes["rows"]],
-    ["pass", "ms", "time / plain", "MB read", "bytes / plain"],
-    {"ms": "{:.0f}", "time / plain": "{:.2f}x", "MB read": "{:.0f}", "bytes / plain": "{:.2f}x"})))
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "pass": r["pass"],
+                    "ms": r["seconds"] * 1e3,
+                    "time / plain": r["time_over_plain"],
+                    "MB read": r["bytes"] / 1e6,
+                    "bytes / plain": r["bytes_over_plain"],
+                }
+                for r in real_passes["rows"]
+            ],
+            ["pass", "ms", "time / plain", "MB read", "bytes / plain"],
+            {
+                "ms": "{:.0f}",
+                "time / plain": "{:.2f}x",
+                "MB read": "{:.0f}",
+                "bytes / plain": "{:.2f}x",
+            },
+        )
+    )
+)
 by_pass = {r["pass"]: r for r in real_passes["rows"]}
-plain_row, verify2, verify3, head_row = (by_pass[k] for k in ("plain, 1 token", "verify, 2 tokens",
-                                                                "verify, 3 tokens", "head draft"))
-# A step at n_draft=2 pays when its tokens per pass (2 at most) exceed its cost in plain passes.
+plain_row, verify2, verify3, head_row = (
+    by_pass[k]
+    for k in ("plain, 1 token", "verify, 2 tokens", "verify, 3 tokens", "head draft")
+)
+# A step at n_draft=2 pays when its tokens per pass (2 at most) exceed its cost in
+# plain passes.
 real_break_even = verify2["time_over_plain"] + head_row["time_over_plain"]
 glue("real_layers", real_passes["layers"], display=False)
 glue("real_plain_ms", plain_row["seconds"] * 1e3, display=False)
@@ -323,11 +480,27 @@ glue("real_extra_token", (verify3["time_over_plain"] - 1) / 2, display=False)
 glue("real_head_time", head_row["time_over_plain"], display=False)
 glue("real_head_bytes", head_row["bytes_over_plain"], display=False)
 glue("real_break_even", real_break_even, display=False)
-glue("real_bound", "compute-bound, not memory-bound" if verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]
-     else "close to memory-bound", display=False)
-glue("real_verdict", f"so drafting cannot pay on this machine at the real widths: even a head that is always "
-     f"right gives 2 tokens per pass, fewer than the {real_break_even:.2f} it needs" if real_break_even >= 2 else
-     f"so drafting can pay here once a pass yields more than {real_break_even:.2f} tokens", display=False)
+glue(
+    "real_bound",
+    (
+        "compute-bound, not memory-bound"
+        if verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]
+        else "close to memory-bound"
+    ),
+    display=False,
+)
+glue(
+    "real_verdict",
+    (
+        f"so drafting cannot pay on this machine at the real widths: even a head that "
+        f"is always right gives 2 tokens per pass, fewer than the "
+        f"{real_break_even:.2f} it needs"
+        if real_break_even >= 2
+        else f"so drafting can pay here once a pass yields more than "
+        f"{real_break_even:.2f} tokens"
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # At the real widths a plain pass through these {glue:text}`real_layers` layers takes
@@ -361,18 +534,35 @@ glue("real_verdict", f"so drafting cannot pay on this machine at the real widths
 # %%
 auto = report["auto"]
 assert auto["same_tokens_as_plain"]
-display(Markdown(inventory.markdown_table(
-    [{"width": n, "share of steps": share} for n, share in auto["width_share"].items()],
-    ["width", "share of steps"], {"share of steps": "{:.0%}"})))
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {"width": n, "share of steps": share}
+                for n, share in auto["width_share"].items()
+            ],
+            ["width", "share of steps"],
+            {"share of steps": "{:.0%}"},
+        )
+    )
+)
 glue("auto_tps", auto["tokens_per_second"], display=False)
 glue("auto_vs_plain", auto["speedup_vs_plain"], display=False)
 glue("auto_vs_best", auto["over_best_fixed"], display=False)
 glue("auto_best_n", auto["best_fixed_n_draft"], display=False)
 glue("auto_tokens_per_pass", auto["tokens_per_trunk_pass"], display=False)
 glue("auto_calibration_ms", auto["calibration_seconds"] * 1e3, display=False)
-glue("auto_verdict", "within 5% of the best fixed width" if auto["over_best_fixed"] >= 0.95 else
-     "more than 5% short of the best fixed width: on this machine its timings or its acceptance estimates "
-     "led it to a width that was not the best in these rounds", display=False)
+glue(
+    "auto_verdict",
+    (
+        "within 5% of the best fixed width"
+        if auto["over_best_fixed"] >= 0.95
+        else "more than 5% short of the best fixed width: on this machine its timings "
+        "or its acceptance estimates led it to a width that was not the best in these "
+        "rounds"
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # With `auto`, decoding ran at {glue:text}`auto_tps:.0f` tokens/s, {glue:text}`auto_vs_plain:.2f`x plain
@@ -393,27 +583,65 @@ glue("auto_verdict", "within 5% of the best fixed width" if auto["over_best_fixe
 ablation = report["ablation"]
 assert all(r["same_tokens_as_lean"] for r in ablation)
 lean = {n: by_n[n]["tokens_per_second"] for n in (1, 4)}
-rows = [{"loop": "compiled, queued ahead", "n_draft": n, "tok/s": lean[n], "of the lean loop": 1.0,
-         "vs plain (lean)": lean[n] / lean[1]} for n in (1, 4)]
-rows += [{"loop": r["loop"].replace("eager", "eager (not compiled)"), "n_draft": r["n_draft"],
-          "tok/s": r["tokens_per_second"], "of the lean loop": r["over_lean"],
-          "vs plain (lean)": r["tokens_per_second"] / lean[1]} for r in ablation]
-display(Markdown(inventory.markdown_table(rows, ["loop", "n_draft", "tok/s", "of the lean loop", "vs plain (lean)"],
-                                          {"tok/s": "{:.0f}", "of the lean loop": "{:.2f}x",
-                                           "vs plain (lean)": "{:.2f}x"})))
+rows = [
+    {
+        "loop": "compiled, queued ahead",
+        "n_draft": n,
+        "tok/s": lean[n],
+        "of the lean loop": 1.0,
+        "vs plain (lean)": lean[n] / lean[1],
+    }
+    for n in (1, 4)
+]
+rows += [
+    {
+        "loop": r["loop"].replace("eager", "eager (not compiled)"),
+        "n_draft": r["n_draft"],
+        "tok/s": r["tokens_per_second"],
+        "of the lean loop": r["over_lean"],
+        "vs plain (lean)": r["tokens_per_second"] / lean[1],
+    }
+    for r in ablation
+]
+display(
+    Markdown(
+        inventory.markdown_table(
+            rows,
+            ["loop", "n_draft", "tok/s", "of the lean loop", "vs plain (lean)"],
+            {
+                "tok/s": "{:.0f}",
+                "of the lean loop": "{:.2f}x",
+                "vs plain (lean)": "{:.2f}x",
+            },
+        )
+    )
+)
 eager = {r["n_draft"]: r for r in ablation if r["loop"].startswith("eager")}
 unqueued = {r["n_draft"]: r for r in ablation if not r["loop"].startswith("eager")}
 glue("eager_n4_vs_lean_plain", eager[4]["tokens_per_second"] / lean[1], display=False)
-glue("eager_n4_vs_eager_plain", eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"], display=False)
+glue(
+    "eager_n4_vs_eager_plain",
+    eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"],
+    display=False,
+)
 glue("eager_n1_of_lean", eager[1]["over_lean"], display=False)
 glue("unqueued_n4_of_lean", unqueued[4]["over_lean"], display=False)
 glue("lean_n4_vs_plain", lean[4] / lean[1], display=False)
-trace_gain = unqueued[4]["tokens_per_second"] / eager[4]["tokens_per_second"]  # both read before queueing
+trace_gain = (
+    unqueued[4]["tokens_per_second"] / eager[4]["tokens_per_second"]
+)  # both read before queueing
 overlap_gain = 1 / unqueued[4]["over_lean"]
 glue("trace_gain", trace_gain, display=False)
 glue("overlap_gain", overlap_gain, display=False)
-glue("gain_verdict", "the trace is worth more than the overlap" if trace_gain > overlap_gain else
-     "the overlap is worth more than the trace", display=False)
+glue(
+    "gain_verdict",
+    (
+        "the trace is worth more than the overlap"
+        if trace_gain > overlap_gain
+        else "the overlap is worth more than the trace"
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # Without its trace a step builds its graph operation by operation, which at the tiny model's sizes is a
@@ -434,8 +662,11 @@ glue("gain_verdict", "the trace is worth more than the overlap" if trace_gain > 
 # %%
 if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
     nan = {"tokens_per_second": float("nan")}
-    versus = {"engines": {"qmtp": nan, "mlx-lm": nan}, "ratio": float("nan"),
-              "same_tokens": True}
+    versus = {
+        "engines": {"qmtp": nan, "mlx-lm": nan},
+        "ratio": float("nan"),
+        "same_tokens": True,
+    }
     print("mlx-lm is not loaded at full size")
 else:
     versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
@@ -443,7 +674,11 @@ else:
 glue("qmtp_tps", versus["engines"]["qmtp"]["tokens_per_second"], display=False)
 glue("mlx_lm_tps", versus["engines"]["mlx-lm"]["tokens_per_second"], display=False)
 glue("qmtp_ratio", versus["ratio"], display=False)
-glue("same_tokens", "the same" if versus["same_tokens"] else "NOT the same", display=False)
+glue(
+    "same_tokens",
+    "the same" if versus["same_tokens"] else "NOT the same",
+    display=False,
+)
 assert versus["same_tokens"]
 
 # %% [markdown]
@@ -459,27 +694,42 @@ assert versus["same_tokens"]
 # turns it off). The tiny model's lm_head is too small for that to pay, so it is not split here.
 
 # %%
-saved = results.save("06_throughput", path, {
-    "predicted_moe_4bit": {str(n): moe[(4, n)] for n in range(1, 6)},
-    "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
-    "measured_speedup": {str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting},
-    "qmtp_over_mlx_lm": versus["ratio"],
-    "plain_tokens_per_second": by_n[1]["tokens_per_second"],
-    "auto_over_best_fixed": auto["over_best_fixed"],
-    "real_gb_per_token": one_token / 1e9,
-    "real_expert_share": passes["1 token"]["routed experts"] / one_token,
-    "bandwidth_gb_s": BANDWIDTH / throughput.GB,
-    "real_width": real_passes,
-    "real_width_break_even": real_break_even,
-    "real_width_on_model": claims.is_real_model(model.config),
-    "machine": machine.describe(),
-    "real_width_summary": {"layers": real_passes["layers"], "measured_on": "real model" if claims.is_real_model(model.config)
-                   else "real-width layers", "plain_ms": plain_row["seconds"] * 1e3,
-                   "verify2_time_over_plain": verify2["time_over_plain"],
-                   "verify2_bytes_over_plain": verify2["bytes_over_plain"],
-                   "head_time_over_plain": head_row["time_over_plain"], "break_even_n_draft_2": real_break_even,
-                   "compute_bound": verify2["time_over_plain"] > 1.5 * verify2["bytes_over_plain"]},
-})
+saved = results.save(
+    "06_throughput",
+    path,
+    {
+        "predicted_moe_4bit": {str(n): moe[(4, n)] for n in range(1, 6)},
+        "predicted_dense_4bit": {str(n): dense[(4, n)] for n in range(1, 6)},
+        "measured_speedup": {
+            str(r["n_draft"]): r["speedup_vs_plain"] for r in drafting
+        },
+        "qmtp_over_mlx_lm": versus["ratio"],
+        "plain_tokens_per_second": by_n[1]["tokens_per_second"],
+        "auto_over_best_fixed": auto["over_best_fixed"],
+        "real_gb_per_token": one_token / 1e9,
+        "real_expert_share": passes["1 token"]["routed experts"] / one_token,
+        "bandwidth_gb_s": BANDWIDTH / throughput.GB,
+        "real_width": real_passes,
+        "real_width_break_even": real_break_even,
+        "real_width_on_model": claims.is_real_model(model.config),
+        "machine": machine.describe(),
+        "real_width_summary": {
+            "layers": real_passes["layers"],
+            "measured_on": (
+                "real model"
+                if claims.is_real_model(model.config)
+                else "real-width layers"
+            ),
+            "plain_ms": plain_row["seconds"] * 1e3,
+            "verify2_time_over_plain": verify2["time_over_plain"],
+            "verify2_bytes_over_plain": verify2["bytes_over_plain"],
+            "head_time_over_plain": head_row["time_over_plain"],
+            "break_even_n_draft_2": real_break_even,
+            "compute_bound": verify2["time_over_plain"]
+            > 1.5 * verify2["bytes_over_plain"],
+        },
+    },
+)
 
 # %% [markdown]
 # ## Exercises

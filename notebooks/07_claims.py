@@ -76,11 +76,24 @@ def chapter(name):
 # weights' numbers. A claim *holds in part* when it joins two statements and only one holds.
 
 # %% tags=["hide-input"]
-glue("model_kind", "the real Qwen3.6-35B-A3B" if real_model else "the bundled tiny model", display=False)
-Markdown(inventory.markdown_table(
-    [dict(r, chapter=chapter(r["chapter"]), indicates=r["indicates"] or "(judged directly)") for r in rows],
-    ["claim", "chapter", "verdict", "measured", "indicates"]).replace(
-    "| indicates |", "| indicates (a direction, not a verdict) |", 1))
+glue(
+    "model_kind",
+    "the real Qwen3.6-35B-A3B" if real_model else "the bundled tiny model",
+    display=False,
+)
+Markdown(
+    inventory.markdown_table(
+        [
+            dict(
+                r,
+                chapter=chapter(r["chapter"]),
+                indicates=r["indicates"] or "(judged directly)",
+            )
+            for r in rows
+        ],
+        ["claim", "chapter", "verdict", "measured", "indicates"],
+    ).replace("| indicates |", "| indicates (a direction, not a verdict) |", 1)
+)
 
 # %% tags=["hide-input"]
 verdicts = [r["verdict"] for r in rows]
@@ -89,10 +102,18 @@ glue("n_hold", verdicts.count(claims.HOLDS), display=False)
 glue("n_partly", verdicts.count(claims.PARTLY), display=False)
 glue("n_fail", verdicts.count(claims.FAILS), display=False)
 glue("n_untested", verdicts.count(claims.UNTESTABLE), display=False)
-glue("failed_claims", "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] == claims.FAILS) or "none",
-     display=False)
-glue("partly_claims", "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] == claims.PARTLY) or "none",
-     display=False)
+glue(
+    "failed_claims",
+    "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] == claims.FAILS)
+    or "none",
+    display=False,
+)
+glue(
+    "partly_claims",
+    "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] == claims.PARTLY)
+    or "none",
+    display=False,
+)
 
 # %% [markdown]
 # Measured on {glue:text}`model_kind`, {glue:text}`n_claims` claims. Holds: {glue:text}`n_hold`. Holds in
@@ -102,9 +123,11 @@ glue("partly_claims", "; ".join(f'"{r["claim"]}"' for r in rows if r["verdict"] 
 # ## Why each verdict, and where each claim comes from
 
 # %% tags=["hide-input"]
-Markdown(inventory.markdown_table(
-    [dict(r, cite=cites(r["cite"])) for r in rows], ["claim", "why", "cite"]
-).replace("| cite |", "| sources |", 1))
+Markdown(
+    inventory.markdown_table(
+        [dict(r, cite=cites(r["cite"])) for r in rows], ["claim", "why", "cite"]
+    ).replace("| cite |", "| sources |", 1)
+)
 
 # %% [markdown]
 # ## MTP's speedup: a prediction, a measurement and a rule
@@ -121,22 +144,54 @@ bound = width.get("compute_bound", True)
 glue("speedup_claim", claims.CLAIMS["speedup_moe"].text, display=False)
 glue("cm_best", predicted[best_n], display=False)
 glue("cm_best_n", int(best_n), display=False)
-glue("rw_where", "the real model" if width.get("measured_on") == "real model" else
-     f"{width.get('layers', 0)} layers built at the real widths", display=False)
+glue(
+    "rw_where",
+    (
+        "the real model"
+        if width.get("measured_on") == "real model"
+        else f"{width.get('layers', 0)} layers built at the real widths"
+    ),
+    display=False,
+)
 glue("rw_v2_time", width.get("verify2_time_over_plain", float("nan")), display=False)
 glue("rw_v2_bytes", width.get("verify2_bytes_over_plain", float("nan")), display=False)
 glue("rw_break_even", width.get("break_even_n_draft_2", float("nan")), display=False)
-glue("rw_verdict", f"so drafting {'can' if pays else 'cannot'} pay on this machine at the real widths",
-     display=False)
-glue("rw_machine", "this machine is not one (a quantized product here costs time per row, not per byte)"
-     if bound else "this machine comes close to one", display=False)
-glue("ran_on", "On the real model, on this machine" if real_model else
-     "On the bundled model, where a pass costs what it dispatches,", display=False)
+glue(
+    "rw_verdict",
+    f"so drafting {'can' if pays else 'cannot'} pay on this machine at the real widths",
+    display=False,
+)
+glue(
+    "rw_machine",
+    (
+        "this machine is not one (a quantized product here costs time per row, not "
+        "per byte)"
+        if bound
+        else "this machine comes close to one"
+    ),
+    display=False,
+)
+glue(
+    "ran_on",
+    (
+        "On the real model, on this machine"
+        if real_model
+        else "On the bundled model, where a pass costs what it dispatches,"
+    ),
+    display=False,
+)
 glue("tiny_best", max(ch6["measured_speedup"].values()), display=False)
-glue("speedup_rule", "the verdict above follows this machine's measurement of the real model, and the field "
-     "below says what other machines do" if real_model else
-     "by the rule the claim is not testable here, and what exists to test it is what others published, next",
-     display=False)
+glue(
+    "speedup_rule",
+    (
+        "the verdict above follows this machine's measurement of the real model, and "
+        "the field below says what other machines do"
+        if real_model
+        else "by the rule the claim is not testable here, and what exists to test it "
+        "is what others published, next"
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # {doc}`06_throughput` predicts, from the bytes each pass of the real config reads, that on a machine where a
@@ -158,10 +213,23 @@ glue("speedup_rule", "the verdict above follows this machine's measurement of th
 
 # %% tags=["hide-input"]
 conversions = published.conversion_table(range(1, 5))
-Markdown(inventory.markdown_table(
-    [dict({k.replace("n_draft=", "→ "): v for k, v in r.items()}, option=f"`{r['option']}`")
-     for r in conversions],
-    ["engine", "option"] + [k.replace("n_draft=", "→ ") for k in conversions[0] if k.startswith("n_draft")]))
+Markdown(
+    inventory.markdown_table(
+        [
+            dict(
+                {k.replace("n_draft=", "→ "): v for k, v in r.items()},
+                option=f"`{r['option']}`",
+            )
+            for r in conversions
+        ],
+        ["engine", "option"]
+        + [
+            k.replace("n_draft=", "→ ")
+            for k in conversions[0]
+            if k.startswith("n_draft")
+        ],
+    )
+)
 
 # %% [markdown]
 # so {term}`n_draft` = 2 is one {term}`draft` of the {term}`head` per step. For each row, the cost model
@@ -183,13 +251,26 @@ def source(r):
     return ("" if r["checked"] else "as reported in ") + "{cite:p}`%s`" % r["source"]
 
 
-Markdown(inventory.markdown_table(
-    [dict(r, run=run(r), tps=f"{r['plain tok/s']:.1f} → {r['MTP tok/s']:.1f}", src=source(r),
-          published=r["published speedup"], model=r["predicted speedup"]) for r in field],
-    ["run", "n_draft", "acceptance", "tps", "published", "model", "src"],
-    {"published": "{:.2f}x", "model": "{:.2f}x"},
-).replace("| tps |", "| tok/s, plain → MTP |", 1).replace("| src |", "| source |", 1).replace(
-    "| model |", "| cost model |", 1))
+Markdown(
+    inventory.markdown_table(
+        [
+            dict(
+                r,
+                run=run(r),
+                tps=f"{r['plain tok/s']:.1f} → {r['MTP tok/s']:.1f}",
+                src=source(r),
+                published=r["published speedup"],
+                model=r["predicted speedup"],
+            )
+            for r in field
+        ],
+        ["run", "n_draft", "acceptance", "tps", "published", "model", "src"],
+        {"published": "{:.2f}x", "model": "{:.2f}x"},
+    )
+    .replace("| tps |", "| tok/s, plain → MTP |", 1)
+    .replace("| src |", "| source |", 1)
+    .replace("| model |", "| cost model |", 1)
+)
 
 # %% tags=["hide-input"]
 agree = [r for r in field if published.agrees(r["prediction"])]
@@ -210,7 +291,11 @@ glue("long_published", long["published speedup"], display=False)
 glue("short_predicted", short["predicted speedup"], display=False)
 glue("long_predicted", long["predicted speedup"], display=False)
 real = qmtp.config.QWEN36_35B_A3B
-glue("kv_every", real.num_hidden_layers // real.layer_types.count(qmtp.config.FULL), display=False)
+glue(
+    "kv_every",
+    real.num_hidden_layers // real.layer_types.count(qmtp.config.FULL),
+    display=False,
+)
 glue("kv_heads", real.num_key_value_heads, display=False)
 
 # %% [markdown]
@@ -223,9 +308,13 @@ glue("kv_heads", real.num_key_value_heads, display=False)
 # verify pass costs about what its bytes say relative to a plain pass. Where the two part, the row says why:
 
 # %% tags=["hide-input"]
-Markdown(inventory.markdown_table(
-    [dict(r, row=f"{run(r)}, n_draft {r['n_draft']}") for r in field],
-    ["row", "plain bound tok/s", "why"], {"plain bound tok/s": "{:.0f}"}))
+Markdown(
+    inventory.markdown_table(
+        [dict(r, row=f"{run(r)}, n_draft {r['n_draft']}") for r in field],
+        ["row", "plain bound tok/s", "why"],
+        {"plain bound tok/s": "{:.0f}"},
+    )
+)
 
 # %% [markdown]
 # The clearest disagreement is one engine on one machine with two prompt lengths: about
@@ -248,20 +337,39 @@ Markdown(inventory.markdown_table(
 # norm; qmtp keeps the cache and feeds the state after it ({doc}`05_mtp_decoding`).
 
 # %% tags=["hide-input"]
-Markdown(inventory.markdown_table(
-    [dict(r, acceptance=f"{r['acceptance'][0]:.2f}-{r['acceptance'][1]:.2f}", source="{cite:t}`%s`" % r["source"])
-     for r in published.ELSEWHERE_ON_BUNDLED],
-    ["engine", "n_draft", "acceptance", "source"]))
+Markdown(
+    inventory.markdown_table(
+        [
+            dict(
+                r,
+                acceptance=f"{r['acceptance'][0]:.2f}-{r['acceptance'][1]:.2f}",
+                source="{cite:t}`%s`" % r["source"],
+            )
+            for r in published.ELSEWHERE_ON_BUNDLED
+        ],
+        ["engine", "n_draft", "acceptance", "source"],
+    )
+)
 
 # %% tags=["hide-input"]
-results.save("07_claims", path, {
-    "verdicts": {r["key"]: r["verdict"] for r in rows},
-    "counts": {v: verdicts.count(v) for v in claims.VERDICTS},
-    "field": {"rows": len(field), "agree_within": published.AGREES, "agree": len(agree),
-              "published_speedup": [min(r["published speedup"] for r in field),
-                                    max(r["published speedup"] for r in field)],
-              "plain_share": [min(shares), max(shares)]},
-})
+results.save(
+    "07_claims",
+    path,
+    {
+        "verdicts": {r["key"]: r["verdict"] for r in rows},
+        "counts": {v: verdicts.count(v) for v in claims.VERDICTS},
+        "field": {
+            "rows": len(field),
+            "agree_within": published.AGREES,
+            "agree": len(agree),
+            "published_speedup": [
+                min(r["published speedup"] for r in field),
+                max(r["published speedup"] for r in field),
+            ],
+            "plain_share": [min(shares), max(shares)],
+        },
+    },
+)
 
 # %% [markdown]
 # ## Exercises

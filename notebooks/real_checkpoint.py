@@ -128,10 +128,26 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
 # the machine that built this page (named above). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
 # layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
-# {glue:text}`head_draft_ms:.0f` ms; scaled by the bytes each reads, a pass of the whole 4-bit model would take
+# {glue:text}`head_draft_ms:.0f` ms (a draft is one layer, but it ends in `lm_head`, the product with all
+# 248,320 rows of the vocabulary, which a pass of only a few layers pays once too); scaled by the bytes each reads, a pass of the whole 4-bit model would take
 # {glue:text}`full_pass_s:.1f` s. A pass over n positions is priced as n passes (on this CPU it costs that much,
 # chapter 6), and reading weights from disk at an assumed {glue:text}`disk_rate:.0f` GB/s. On a machine whose
 # passes follow their bytes (Apple silicon, a GPU) the passes take a small fraction of that.
+#
+# The budget is sized to finish, not to settle: chapter 5 decodes one prompt of a few tokens and chapter 6
+# times each width once, so their full-size acceptance and speed are indicative. To settle them on a fast
+# machine, run the benchmark with more tokens and repeats
+# (`python -m qmtp bench mtp q4 --max-tokens 256 --repeats 3`; see its `--help`), which prints each width's
+# acceptance and tokens per second side by side.
+#
+# ## On Apple silicon or a GPU
+#
+# MLX computes on its default device: the GPU on Apple silicon (Metal), and on a CUDA or ROCm build of MLX,
+# the accelerator. There qmtp keeps the weights that are not quantized in bfloat16 (`qmtp.load` picks float32
+# only on the CPU, whose expert kernel computes only in float32), so the 4-bit conversion takes about its
+# {glue:text}`q4_gb:.0f` GB on disk in memory too, plus the runtime: it fits a 32 GB Mac, and a 24 GB one
+# only tightly. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
+# against a float64 reference before you trust their numbers.
 #
 # ## Five lines
 #
@@ -141,12 +157,15 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # ```python
 # import qmtp
 # model = qmtp.load("q4")
-# out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
+# chat = [{"role": "user", "content": "Write a haiku about rain."}]
+# out = qmtp.generate(model, messages=chat, enable_thinking=False, max_tokens=64, n_draft=2)
 # print(out.text)
 # print(out.stats.acceptance_rate, out.stats.tokens_per_second)
 # ```
 #
-# The same lines on the model of this build:
+# The real model is a chat model: `messages=` renders its chat template (as transformers does), and the
+# generation stops at any of its end-of-turn tokens. The bundled tiny model has no chat template, so the
+# same lines on the model of this build give it plain text:
 
 # %%
 model = qmtp.load(budget.decoding_model(path))

@@ -22,6 +22,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,11 +283,13 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], expected)
 
 
-# mx.load's lazy arrays per (file, thread), each handed out once (popped), so this cache never holds a loaded
-# tensor. Per thread because MLX binds an array to the streams of the thread that made it: evaluating one of
-# another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current thread"). Keyed by the file's
-# identity too, so a file replaced since (another conversion in the same folder) is never read through it.
-_LAZY: dict[tuple[Path, int], tuple[tuple, dict]] = {}
+# mx.load's lazy arrays per file, each handed out once (popped), so this cache never holds a loaded tensor.
+# One cache per thread, held by the thread itself, because MLX binds an array to the streams of the thread that
+# made it: evaluating one of another thread's lazy arrays fails ("There is no Stream(cpu, 0) in current
+# thread"). Not a dict keyed by thread id: ids are reused, and a new thread would be handed a dead one's arrays.
+# Keyed by the file's identity too, so a file replaced since (another conversion in the same folder) is never
+# read through it.
+_LAZY = threading.local()
 # Where the open file behind a descriptor can be opened again, the same file whatever its path names now (Linux).
 _FD_DIR = "/proc/self/fd"
 
@@ -300,12 +303,11 @@ def _lazy_array(info: TensorInfo, fd: int, stat, pinned: bool):
     """The tensor as one of mx.load's lazy arrays: evaluating it reads its bytes with pread into a buffer of its
     own, so a whole model loads in its own size, without a mapping of the file beside it. None when mx.load
     cannot be pointed at the file open as `fd` (no /proc, and the path names another file now)."""
-    import threading
-
     import mlx.core as mx
 
-    key, where = identity(stat), (info.file, threading.get_ident())
-    cached = _LAZY.get(where)
+    lazy: dict[Path, tuple[tuple, dict]] = _LAZY.__dict__.setdefault("arrays", {})
+    key, where = identity(stat), info.file
+    cached = lazy.get(where)
     if cached is None or cached[0] != key or info.name not in cached[1]:
         if pinned and os.path.isdir(_FD_DIR):
             # mx.load opens the file when called: through /proc it opens the file `fd` is, not what the path
@@ -317,7 +319,7 @@ def _lazy_array(info: TensorInfo, fd: int, stat, pinned: bool):
             arrays = mx.load(str(info.file), format="safetensors")
             if identity_at(info.file) != key:  # replaced while mx.load opened it: it may have read the new one
                 return None
-        cached = _LAZY[where] = (key, arrays)
+        cached = lazy[where] = (key, arrays)
     return cached[1].pop(info.name)
 
 

@@ -91,7 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
-    chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
+    chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin, each line a "
+                                       "turn of one conversation; a line /reset starts a new one)")
+    chat.add_argument("--raw", action="store_true",
+                      help="feed the prompt as plain text, without the chat template (each line on its own)")
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    chat.add_argument("--thinking", nargs="?", const=True, default=None, type=parse_bool, metavar="BOOL",
+                      help="--thinking=false asks the template for an answer without thinking (default: the "
+                           "template's, on for Qwen)")
+    chat.add_argument("--hide-thinking", action="store_true",
+                      help="print the answer only (the thinking is otherwise shown on stderr, apart from it)")
+    chat.add_argument("--preserve-thinking", action="store_true",
+                      help="keep earlier turns' thinking in the conversation (Qwen3.6's preserve_thinking)")
+    chat.add_argument("--stop", action="append", metavar="TEXT",
+                      help="end the reply where this text appears (repeat for several)")
     _rank_options(chat)
     convert = commands.add_parser("convert", help="quantize a checkpoint into one file holding trunk and MTP head")
     convert.add_argument("src", help="checkpoint directory in a released layout (config.json + safetensors)")
@@ -258,6 +271,8 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
         problems.append(str(err))
     else:
         print(f"tokenizer: {tokenizer.vocab_size} ids" if tokenizer else "tokenizer: none (chat needs tokenizer.json)")
+        if tokenizer is not None:
+            problems += _doctor_template(tokenizer)
     if plan.unknown or plan.skipped:
         print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
 
@@ -297,6 +312,22 @@ def _doctor_model(path: Path, scan: bool) -> list[str]:
             problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
     source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
     return problems
+
+
+def _doctor_template(tokenizer) -> list[str]:
+    """Say whether the model has a chat template and whether it compiles; return its problem, if any."""
+    from .chat import compile_template
+
+    if tokenizer.chat_template is None:
+        print("chat template: none (chat needs --raw; generate takes text or ids, not messages)")
+        return []
+    try:
+        compile_template(tokenizer.chat_template)
+    except QmtpError as err:
+        print(f"chat template: BROKEN ({err})")
+        return [f"{tokenizer.source}: {err}"]
+    print(f"chat template: {len(tokenizer.chat_template)} characters, compiles")
+    return []
 
 
 def _scan(ckpt) -> list[str]:
@@ -461,7 +492,25 @@ def _shared_prompts(group, prompts):
         yield bytes(mx.distributed.all_sum(sent, group=group).tolist()).decode("utf-8")
 
 
+def _check_chat_flags(args) -> None:
+    """The template's flags make no sense with --raw; text flags must be UTF-8 and stop strings non-empty."""
+    if args.raw:
+        used = [flag for flag, on in (("--system", args.system is not None), ("--thinking", args.thinking is not None),
+                                      ("--hide-thinking", args.hide_thinking),
+                                      ("--preserve-thinking", args.preserve_thinking)) if on]
+        if used:
+            raise UsageError(f"{used[0]} shapes the chat template's conversation, which --raw leaves out; drop one of "
+                             f"them")
+    if args.system is not None:
+        _utf8_argument(args.system, "--system")
+    for stop in args.stop or ():
+        if not stop:
+            raise UsageError("--stop: give non-empty text to stop at")
+        _utf8_argument(stop, "--stop")
+
+
 def chat(args) -> int:
+    from . import chat as chat_mod
     from .loading import load
     from .speculative import MAX_N_DRAFT, generate
 
@@ -475,70 +524,165 @@ def chat(args) -> int:
         raise UsageError("the prompt is empty: give at least one token of text")
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
         raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
+    _check_chat_flags(args)
     n_draft = args.n_draft if args.use_mtp else 1
     if _ranked(args):
         return _start_ranks(args)
     group = _rank_group()
-    if group is not None and group.rank():  # only rank 0 prints; every rank computes every token
-        sys.stdout = open(os.devnull, "w")
+    if group is not None and group.rank():  # only rank 0 prints (text, thinking, statistics); every rank computes
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # every token; main() still reports this rank's errors
     model = load(args.model, group=group)
     if args.use_mtp:
         model.require_head()
     if model.tokenizer is None:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
+    if not args.raw and model.tokenizer.chat_template is None:
+        raise UsageError(f"{model.path}: the model has no chat template (no chat_template.jinja, no chat_template in "
+                         f"tokenizer_config.json); add --raw to feed the prompt as plain text")
+    ends = chat_mod.end_ids(model)
+    stops = tuple(args.stop or ())
     prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
-    if group is not None and args.prompt is None:
+    if group is not None and args.prompt is None:  # rank 0 reads them, every rank runs each turn
         prompts = _shared_prompts(group, prompts)
+    settings = dict(max_tokens=args.max_tokens, n_draft=n_draft, temperature=args.temperature, seed=args.seed,
+                    stop=stops or None)
+    if args.raw:
+        for prompt in prompts:
+            print(prompt, end="", flush=True)
+            text = TextStream(model.tokenizer, ends, stops)
+            g = _streamed(lambda: generate(model, prompt, on_tokens=text.add, **settings))
+            text.finish(g.text)
+            _report(g, n_draft)
+        return 0
+    # The conversation: each turn re-reads the whole history (its earlier thinking dropped or kept by the template)
+    opening = [{"role": "system", "content": args.system}] if args.system is not None else []
+    history = list(opening)
+    template_kwargs = {"preserve_thinking": True} if args.preserve_thinking else {}
     for prompt in prompts:
-        print(prompt, end="", flush=True)
-        text = TextStream(model.tokenizer)
-        try:
-            g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
-                         temperature=args.temperature, seed=args.seed, on_tokens=text.add)
-        except QmtpError:  # damaged weights stop it mid-text: end the line streamed so far, then the error
-            print(flush=True)
-            raise
-        text.finish(g.text)
-        s = g.stats
-        line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s"
-        if n_draft != 1:
-            # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
-            per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
-            line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
-            if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
-                line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
-                         f"damaged: `python -m qmtp doctor MODEL --scan`)")
-        if group is None or group.rank() == 0:
-            print(line + "]", file=sys.stderr, flush=True)
+        if prompt.strip() == "/reset" and args.prompt is None:
+            history = list(opening)
+            print("[a new conversation]", file=sys.stderr, flush=True)
+            continue
+        messages = history + [{"role": "user", "content": prompt}]
+        rendered = model.tokenizer.apply_chat_template(messages, enable_thinking=args.thinking, **template_kwargs)
+        stream = ChatStream(model.tokenizer, ends, stops, chat_mod.opens_thinking(rendered), args.hide_thinking)
+        g = _streamed(lambda: generate(model, messages=messages, enable_thinking=args.thinking,
+                                       chat_template_kwargs=template_kwargs or None, on_tokens=stream.add, **settings))
+        thinking, answer = stream.finish(g.text)
+        reply = {"role": "assistant", "content": answer}
+        if thinking:
+            reply["reasoning_content"] = thinking
+        history = messages + [reply]
+        _report(g, n_draft)
     return 0
+
+
+def _streamed(run):
+    """`run()`; damaged weights stop it mid-text: then the line streamed so far is ended before the error."""
+    try:
+        return run()
+    except QmtpError:
+        print(flush=True)
+        raise
+
+
+def _report(g, n_draft) -> None:
+    """The generation's statistics, one line on stderr."""
+    s = g.stats
+    line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s, after a prompt of {s.prompt_tokens}"
+    if n_draft != 1:
+        # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
+        per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))
+        line += f", acceptance {s.acceptance_rate:.2f} (per position {per_position}), {s.tokens_per_trunk_pass:.2f} tokens per trunk pass"
+        if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
+            line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
+                     f"damaged: `python -m qmtp doctor MODEL --scan`)")
+    print(line + "]", file=sys.stderr, flush=True)
+
+
+def _held_back(text: str, stops) -> str:
+    """`text` as far as it can be shown before the generation ends: cut at a stop string, and without an end
+    that may be the start of one (the next step may complete it)."""
+    from .speculative import _find_stop
+
+    cut = _find_stop(text, tuple(stops)) if stops else -1
+    if cut >= 0:
+        return text[:cut]
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
+
+
+def _print_delta(shown: str, text: str, file) -> None:
+    """Print what `text` adds to `shown`; if decoding changed what was shown (rare), the rest from where the two part."""
+    common = len(shown) if text.startswith(shown) else len(os.path.commonprefix([text, shown]))
+    print(text[common:], end="", file=file, flush=True)
 
 
 class TextStream:
     """Prints a generation's text as its tokens arrive (a step of the real model can take seconds). Text is
     decoded from all tokens so far, since a character can span tokens; an incomplete one (decoded as U+FFFD)
-    waits for the next step."""
+    waits for the next step, and so does an end that may be the start of a stop string."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, ends=None, stops=()):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+        self.ends = frozenset(ends) if ends is not None else tokenizer.end_ids
+        self.stops = tuple(stops)
 
     def add(self, tokens: list[int]) -> None:
-        self.tokens.extend(t for t in tokens if t != self.tokenizer.eos_id)
+        self.tokens.extend(t for t in tokens if t not in self.ends)
         text = self.tokenizer.decode(self.tokens)
         if text.endswith("\ufffd"):
             return
-        self._show(text)
+        self._show(_held_back(text, self.stops))
 
     def finish(self, text: str) -> None:
         self._show(text)
         print(flush=True)
 
     def _show(self, text: str) -> None:
-        if text.startswith(self.shown):
-            print(text[len(self.shown):], end="", flush=True)
-        else:  # decoding changed what was shown (rare): print the rest from where the two part
-            common = len(os.path.commonprefix([text, self.shown]))
-            print(text[common:], end="", flush=True)
+        _print_delta(self.shown, text, sys.stdout)
         self.shown = text
+
+
+class ChatStream(TextStream):
+    """Prints a reply as its tokens arrive, the thinking apart from the answer: the thinking on stderr between
+    lines `[thinking]` and `[/thinking]` (or not at all, `hide`), the answer on stdout. `opened`: the prompt left
+    the reply inside a think block (thinking on); a reply may also open one itself."""
+
+    def __init__(self, tokenizer, ends, stops, opened: bool, hide: bool = False):
+        super().__init__(tokenizer, ends, stops)
+        self.opened, self.hide = opened, hide
+        self.thinking, self.state = "", "before"  # state: before, thinking (its block open), after
+
+    def _show(self, text: str, final: bool = False) -> None:
+        from .chat import END_THINK, THINK, split_thinking
+
+        if not final and not self.opened and THINK.startswith(text.lstrip()):
+            return  # the reply may be opening a think block itself: wait and see
+        thinks = self.opened or text.lstrip().startswith(THINK)
+        done = END_THINK in text or not thinks
+        if not done and not final:  # an end that may be the start of </think> waits for the next step
+            text = _held_back(text, (END_THINK,))
+        thinking, answer = split_thinking(text, self.opened)
+        if thinks and not self.hide and (thinking or done) and self.state == "before":
+            print("[thinking]", file=sys.stderr, flush=True)
+            self.state = "thinking"
+        if self.state == "thinking":
+            _print_delta(self.thinking, thinking, sys.stderr)
+            if done or final:
+                print("\n[/thinking]", file=sys.stderr, flush=True)
+                self.state = "after"
+        self.thinking = thinking
+        _print_delta(self.shown, answer, sys.stdout)
+        self.shown = answer
+
+    def finish(self, text: str) -> tuple[str, str]:
+        """Show the rest of the reply (`text`, the generation's); return its (thinking, answer)."""
+        from .chat import split_thinking
+
+        self._show(text, final=True)
+        print(flush=True)
+        return split_thinking(text, self.opened)
 
 
 def _utf8_argument(text: str, flag: str) -> str:
@@ -631,7 +775,8 @@ def main(argv=None) -> int:
 
         rank = int(os.environ.get("MLX_RANK", 0) or 0)
         if not (rank and isinstance(err, DistributedError)):  # every rank raises it alike: rank 0 says it
-            print(f"qmtp: error: {'' if not rank else f'rank {rank}: '}{one_line(str(err))}", file=sys.stderr)
+            print(f"qmtp: error: {'' if not rank else f'rank {rank}: '}{one_line(str(err))}",
+                  file=sys.__stderr__ if rank else sys.stderr)  # a rank past 0 silenced its stderr
         return 2
     except BrokenPipeError:
         return _quiet_broken_pipe()

@@ -70,6 +70,7 @@ from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json
                          shard_name, tensor_bytes, write_index, write_safetensors)
 from .conventions import GROUP_SIZES, ROUTER_GROUP_SIZE, UNQUANTIZED_BITS, is_router, keeps_float32, parse_width
 from .errors import IncompleteHeadError, QmtpError, UsageError, user_path
+from .model import release_at_thread_exit
 from .sizes import sizes
 from .source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, HEAD_SHARED_ONLY, Source, nonfinite_error
 
@@ -709,6 +710,9 @@ class _Pieces:
         self.worker.start()
 
     def _run(self, produces) -> None:
+        # this thread makes MLX arrays: it frees its streams and compiled traces as it ends, as a decoding
+        # thread does, so that the interpreter's shutdown never races MLX's thread-exit cleanup
+        release_at_thread_exit()
         try:
             for i, produce in enumerate(produces):
                 for piece in produce():

@@ -72,8 +72,9 @@ def trunk_step(model, tokens: mx.array, state: dict, record: bool):
 
 
 def keep_prefix(model, recorded_layers: list, keep: mx.array) -> list:
-    """Roll back: each linear-attention layer's state after the `keep`-th position of the recorded pass (KV
-    buffers need nothing: the offset says which entries are valid)."""
+    """Roll back: each linear-attention layer's state after the `keep`-th position of
+    the recorded pass (KV buffers need nothing: the offset says which entries are
+    valid)."""
     index = (keep - 1).reshape(1)
     out = []
     for layer, layer_state in zip(model.layers, recorded_layers):
@@ -100,42 +101,50 @@ class Greedy:
     random = False
 
     def pick(self, logits: mx.array, key: mx.array):
-        """A token [1] from logits [1, V], and what the acceptance needs of its law (nothing here)."""
+        """A token [1] from logits [1, V], and what the acceptance needs of its
+        distribution (nothing here)."""
         return mx.argmax(logits, axis=-1).astype(mx.int32), None
 
-    def accept(self, drafts: mx.array, draft_laws: list, logits: mx.array, key: mx.array):
-        """Drafts [k], verify logits [k + 1, V] -> (accepted drafts, the trunk's next token [1])."""
+    def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
+               key: mx.array):
+        """Drafts [k], verify logits [k + 1, V] -> (accepted drafts, the trunk's next
+        token [1])."""
         choices = mx.argmax(logits, axis=-1).astype(mx.int32)
-        accepted = mx.cumprod((drafts == choices[:-1]).astype(mx.int32)).sum() if drafts.size else mx.array(0)
+        if drafts.size:
+            agree = (drafts == choices[:-1]).astype(mx.int32)
+            accepted = mx.cumprod(agree).sum()
+        else:
+            accepted = mx.array(0)
         return accepted, mx.take(choices, accepted.reshape(1))
 
 
 class Rejection:
     """Sampling at `temperature`: draft d ~ q, kept with probability min(1, p(d) / q(d)); at the first
     rejection the next token is drawn from max(0, p - q) renormalised, after all k from p (Leviathan et al.
-    2023). The tokens have exactly the law of sampling the trunk alone."""
+    2023). The tokens have exactly the distribution of sampling the trunk alone."""
 
     def __init__(self, temperature: float):
         # Below float32's smallest normal a temperature divides to inf (and the max logit to NaN); at that
-        # scale the law is already the argmax.
+        # scale the distribution is already the argmax.
         self.temperature = max(float(temperature), 1.2e-38)
         self.key = ("sample", self.temperature)
         self.random = True
 
-    def _law(self, logits):
+    def _distribution(self, logits):
         return mx.softmax((logits - logits.max(axis=-1, keepdims=True)) / self.temperature, axis=-1)
 
     def pick(self, logits: mx.array, key: mx.array):
-        q = self._law(logits)
+        q = self._distribution(logits)
         return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q[0]
 
-    def accept(self, drafts: mx.array, draft_laws: list, logits: mx.array, key: mx.array):
-        p = self._law(logits)  # [k + 1, V]
+    def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
+               key: mx.array):
+        p = self._distribution(logits)  # [k + 1, V]
         k = drafts.size
         test_key, draw_key = mx.random.split(key)
         accepted, residual = mx.array(0), p
         if k:
-            q = mx.stack(draft_laws)
+            q = mx.stack(draft_dists)
             ratio = (mx.take_along_axis(p[:k], drafts[:, None], axis=-1)
                      / mx.take_along_axis(q, drafts[:, None], axis=-1))[:, 0]
             kept = mx.random.uniform(shape=(k,), key=test_key) < ratio
@@ -148,25 +157,32 @@ class Rejection:
 
 # ---- one step: draft, verify, accept, roll back -----------------------------------------------------------
 def draft(model, head, k: int, strategy, state: dict, last, key):
-    """k drafts [1, k] from the head, their laws, and the head's new buffers and offset.
+    """k drafts [1, k] from the head, their distributions, and the head's new buffers
+    and offset.
 
-    The head first reads the positions of the last pass (trunk state h_j with the token after it) of which
-    the first `keep` are valid: their entries stay in its cache. Its output at the last valid one drafts d_1;
-    each further draft feeds the head its own output and the draft before."""
+    The head first reads the positions of the last pass (trunk state h_j with the token
+    after it) of which the first `keep` are valid: their entries stay in its cache. Its
+    output at the last valid one drafts d_1; each further draft feeds the head its own
+    output and the draft before."""
     hidden, next_tokens, keep = last
-    z, buffers = head_step(model, head, hidden, next_tokens, state["head"], state["head_offset"])
+    z, buffers = head_step(model, head, hidden, next_tokens, state["head"],
+                           state["head_offset"])
     z = mx.take(z, (keep - 1).reshape(1), axis=1)
     offset = state["head_offset"] + keep
-    drafts, laws, finite = [], [], []
-    for i, draft_key in enumerate(mx.random.split(key, k) if strategy.random else [key] * k):
+    drafts, dists, finite = [], [], []
+    keys = mx.random.split(key, k) if strategy.random else [key] * k
+    for i, draft_key in enumerate(keys):
         logits = model.logits(z)[:, -1].astype(mx.float32)
-        d, law = strategy.pick(logits, draft_key)
+        d, dist = strategy.pick(logits, draft_key)
         drafts.append(d)
-        laws.append(law)
+        dists.append(dist)
         finite.append(mx.isfinite(logits).all().reshape(1))
-        if i + 1 < k:  # entries past `offset` are the head's own guesses: the next step overwrites them
+        # entries past `offset` are the head's own guesses: the next step overwrites
+        # them
+        if i + 1 < k:
             z, buffers = head_step(model, head, z, d.reshape(1, 1), buffers, offset + i)
-    return mx.concatenate(drafts).reshape(1, k), laws, mx.concatenate(finite), buffers, offset
+    drafts = mx.concatenate(drafts).reshape(1, k)
+    return drafts, dists, mx.concatenate(finite), buffers, offset
 
 
 def verify(model, tokens: mx.array, state: dict, record: bool):
@@ -180,34 +196,44 @@ def roll_back(model, layers: list, keep: mx.array, record: bool) -> list:
     return keep_prefix(model, layers, keep) if record else layers
 
 
-def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last, key):
-    """One trunk pass and the drafts it checks: (new state, what the next step needs, the report
-    [pending, d_1..d_k, next, keep, finite, draft_finite_1..k] as int32, experts per layer, new key).
+def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last,
+         key):
+    """One trunk pass and the drafts it checks: (new state, what the next step needs,
+    the report [pending, d_1..d_k, next, keep, finite, draft_finite_1..k] as int32,
+    experts per layer, new key).
 
-    `finite` counts the leading verify positions whose logits are all finite: below `keep`, the kept tokens
-    were chosen from NaN or Inf (damaged weights), which the host learns in the same read as the tokens.
-    `draft_finite_i` is 0 where the head's logits for d_i were not finite (such a draft is an arbitrary
-    token, which verification treats like any other)."""
-    key, draft_key, accept_key = mx.random.split(key, 3) if strategy.random else (key, key, key)
+    `finite` counts the leading verify positions whose logits are all finite: below
+    `keep`, the kept tokens were chosen from NaN or Inf (damaged weights), which the
+    host learns in the same read as the tokens. `draft_finite_i` is 0 where the head's
+    logits for d_i were not finite (such a draft is an arbitrary token, which
+    verification treats like any other)."""
+    if strategy.random:
+        key, draft_key, accept_key = mx.random.split(key, 3)
+    else:
+        draft_key = accept_key = key
     _, next_tokens, keep = last
     pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
     new_state = {}
     if k:
-        drafts, laws, drafts_finite, new_state["head"], new_state["head_offset"] = draft(
+        drafts, dists, drafts_finite, head_buffers, head_offset = draft(
             model, head, k, strategy, state, last, draft_key)
+        new_state["head"], new_state["head_offset"] = head_buffers, head_offset
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
-        laws, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
+        dists, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
     pre, post, logits, experts, layers = verify(model, tokens, state, record)
-    accepted, next_token = strategy.accept(tokens[0, 1:], laws, logits, accept_key)
+    accepted, next_token = strategy.accept(tokens[0, 1:], dists, logits, accept_key)
     keep = accepted + 1
     new_state["layers"] = roll_back(model, layers, keep, record)
     new_state["offset"] = state["offset"] + keep
-    # The head's input for the kept positions: the token after each (an accepted draft, then `next`).
+    # The head's input for the kept positions: the token after each (an accepted draft,
+    # then `next`).
     n = k + 1
-    after = mx.concatenate([tokens[:, 1:], next_token.reshape(1, 1)], axis=1)
-    after = mx.where(mx.arange(n)[None] == keep - 1, next_token.reshape(1, 1), after)
+    nxt = next_token.reshape(1, 1)
+    after = mx.concatenate([tokens[:, 1:], nxt], axis=1)
+    after = mx.where(mx.arange(n)[None] == keep - 1, nxt, after)
     finite = mx.cumprod(mx.isfinite(logits).all(axis=-1).astype(mx.int32)).sum()
-    report = mx.concatenate([tokens[0], next_token, keep.reshape(1).astype(mx.int32), finite.reshape(1),
-                             drafts_finite.astype(mx.int32)])
-    return new_state, ((post if hidden == "post" else pre), after, keep), report, experts, key
+    report = mx.concatenate([tokens[0], next_token, keep.reshape(1).astype(mx.int32),
+                             finite.reshape(1), drafts_finite.astype(mx.int32)])
+    hidden_out = post if hidden == "post" else pre
+    return new_state, (hidden_out, after, keep), report, experts, key

@@ -18,7 +18,7 @@ from . import memory
 from . import parallel
 from .conventions import is_small_critical, keeps_float32
 from .errors import CheckpointError, UsageError, user_path
-from .model import Model
+from .model import Model, release_at_thread_exit
 from .source import HEAD_FULL, HEAD_SHARED_ONLY, Source
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny"
@@ -69,6 +69,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`, `QuantizedStackedLinear`) at the width each one is stored
     with; their scales and biases take `dtype` like every other weight.
     With no path: $QMTP_MODEL if set, else the bundled tiny model.
+    A thread that loads frees its MLX streams as it ends, as one that generates does.
 
     `group`: an MLX distributed group (`mx.distributed.init()` in a program started by `mlx.launch`) to spread
     the routed experts over (`qmtp.parallel`): rank r of N reads and holds only experts r*E/N .. (r+1)*E/N - 1
@@ -77,6 +78,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     `parallel.DistributedError` on every rank when they did not, or when the E experts do not split evenly.
     A group of one rank (or None) loads the whole model.
     """
+    release_at_thread_exit()
     path = resolve_path(path)
     requested = fixes_mod.validate(fixes)
     if dtype is not None and not isinstance(dtype, mx.Dtype):

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return (self.weight.astype(mx.float32) * rms_normalise(x, self.eps)).astype(x.dtype)
+        y = self.weight.astype(mx.float32) * rms_normalise(x, self.eps)
+        return y.astype(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -207,6 +207,17 @@ def sizes(config: ModelConfig, bits: int = 4, group_size: int = 64, mtp_bits: in
     return SizeReport.of(tensors, settings)
 
 
+# What each key of `parameter_counts` counts, in words a table can show.
+PARAMETER_COUNT_LABELS = {
+    "trunk": "trunk (embeddings and lm_head included)",
+    "head": "MTP head (its own tensors)",
+    "routed_experts": "the trunk's routed experts, all of them",
+    "active": "used per token by the trunk",
+    "head_active": "used per draft by the head",
+    "total": "whole checkpoint",
+}
+
+
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """Parameter counts of trunk and head, and how many parameters one token uses.
 

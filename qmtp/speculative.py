@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import NonFiniteLogitsError, UsageError
-from . import adaptive, decoding, parallel
+from . import adaptive, chat, decoding, parallel
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model, release_at_thread_exit
@@ -123,10 +123,11 @@ class Stats:
 class Generation:
     """What `generate` returns: the new text and tokens (the prompt's tokens apart) and the run's statistics."""
 
-    text: str
-    tokens: list[int]  # generated tokens only
+    text: str  # end ids left out, cut before a stop string
+    tokens: list[int]  # generated tokens only (with the end id, or the tokens that completed a stop string)
     prompt_tokens: list[int]
     stats: Stats
+    finish_reason: str = "length"  # "end" (an end id), "stop" (a stop string) or "length" (max_tokens)
 
 
 def _check_types(max_tokens, n_draft, temperature) -> None:
@@ -238,6 +239,45 @@ def _prompt_tokens(model: Model, prompt) -> list[int]:
         raise UsageError(f"prompt: give text or a sequence of integer token ids, not {prompt!r:.60}") from None
 
 
+def _chat_prompt(model: Model, prompt, messages, enable_thinking, chat_template_kwargs) -> list[int]:
+    """The prompt's token ids: `prompt` as given, or `messages` rendered by the model's chat template."""
+    if messages is None:
+        if enable_thinking is not None or chat_template_kwargs is not None:
+            raise UsageError("enable_thinking and chat_template_kwargs shape a chat template's prompt: give messages "
+                             "(not a prompt) to use them")
+        if prompt is None:
+            raise UsageError("give a prompt (text or token ids) or messages=[{'role': 'user', 'content': ...}]")
+        return _prompt_tokens(model, prompt)
+    if prompt is not None:
+        raise UsageError("give a prompt or messages, not both")
+    if model.tokenizer is None:
+        raise UsageError("this model has no tokenizer, so no chat template: pass the prompt as a list of token ids")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise UsageError(f"chat_template_kwargs: give a dict of the template's variables, not "
+                         f"{type(chat_template_kwargs).__name__}")
+    return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
+                                               tokenize=True, **(chat_template_kwargs or {}))
+
+
+def _stop_strings(model: Model, stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if isinstance(stops, (bytes, Mapping, Set)) or not isinstance(stops, (list, tuple)):
+        raise UsageError(f"stop={stop!r:.40}: give a string or a list of strings")
+    if not all(isinstance(s, str) and s for s in stops):
+        raise UsageError(f"stop={stop!r:.60}: every stop string must be non-empty text")
+    if stops and model.tokenizer is None:
+        raise UsageError("stop strings are matched in the decoded text, and this model has no tokenizer")
+    return tuple(stops)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Where the first stop string in `text` begins (searching from `start`), or -1."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else -1
+
+
 def _one_call_at_a_time(generate):
     """`generate` on a `Model` only, one call per model at a time (its lock; a callback from `on_tokens` may call
     again, on the same thread); a thread that calls it frees its MLX state when it ends (`release_at_thread_exit`)."""
@@ -257,7 +297,7 @@ def _one_call_at_a_time(generate):
 @_one_call_at_a_time
 def generate(
     model: Model,
-    prompt,
+    prompt=None,
     max_tokens: int = 64,
     n_draft: int = 1,
     temperature: float = 0.0,
@@ -271,8 +311,16 @@ def generate(
     compiled: bool = True,
     queue_ahead: bool = True,
     on_tokens=None,
+    messages=None,
+    enable_thinking: bool | None = None,
+    chat_template_kwargs: dict | None = None,
+    stop=None,
 ) -> Generation:
-    """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids).
+    """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids), or after `messages`
+    rendered by the model's chat template.
+
+    It stops at any id that ends a reply (`qmtp.chat.end_ids`: the tokenizer's and generation_config.json's
+    eos_token_id, one or a list), at a `stop` string, or after `max_tokens`; `finish_reason` says which.
 
     Args:
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
@@ -289,9 +337,18 @@ def generate(
             trace), or reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s
             ablation). The tokens are the same.
         on_tokens: called with each step's new output tokens as soon as the host has them (streaming; a
-            step's tokens past `max_tokens` or after the end-of-text token are not passed).
+            step's tokens past `max_tokens`, an end id or the token completing a stop string are not passed).
+        messages: a conversation ([{"role": "user", "content": ...}, ...]) instead of `prompt`: the prompt is
+            `model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
+        enable_thinking: for `messages`: None leaves it to the template (Qwen: thinking on), False asks the
+            template for no thinking. `chat_template_kwargs`: `apply_chat_template`'s other arguments (`tools`,
+            Qwen3.6's `preserve_thinking=True`, ...). `qmtp.chat.split_thinking` cuts the reply into thinking
+            and answer.
+        stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
+        stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
     """
-    prompt_tokens = _prompt_tokens(model, prompt)
+    prompt_tokens = _chat_prompt(model, prompt, messages, enable_thinking, chat_template_kwargs)
+    stops = _stop_strings(model, stop)
     _check_types(max_tokens, n_draft, temperature)
     # numpy integers are integers: as Python ints from here (range checks, bit_length, MLX's arguments)
     max_tokens, n_draft = int(max_tokens), (n_draft if isinstance(n_draft, str) else int(n_draft))
@@ -308,7 +365,7 @@ def generate(
     widest = max(adaptive.WIDTHS) if n_draft == "auto" else n_draft
     _validate(model, prompt_tokens, max_tokens, widest, temperature, seed, drafter if widest > 1 else None)
     seed = int(seed)
-    eos = model.tokenizer.eos_id if (stop_at_eos and model.tokenizer is not None) else None
+    eos = chat.end_ids(model) if stop_at_eos else frozenset()
     k = widest - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
     recorder = ExpertRecorder() if track_experts else None
@@ -338,11 +395,34 @@ def generate(
             on_tokens(visible[streamed:])
             streamed = len(visible)
 
+    stopped, searched, clear = False, 0, 0  # clear: the tokens whose text holds no stop string
+
+    def at_stop() -> bool:
+        """Whether the text now holds a stop string; if so, `out` keeps only the tokens up to the one that
+        completed it (decoded a prefix at a time over this step's tokens)."""
+        nonlocal searched, clear
+        if not stops:
+            return False
+        visible = _output(out, max_tokens, eos)
+        text = model.tokenizer.decode([t for t in visible if t not in eos])
+        if _find_stop(text, stops, searched) < 0:
+            # a stop string may end in the next step (and a character cut between steps decodes as U+FFFD, one
+            # per byte, until its last byte comes): search again from a little before the end
+            searched = max(0, len(text) - max(map(len, stops)) - 4)
+            clear = len(visible)
+            return False
+        for n in range(clear + 1, len(visible) + 1):
+            if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in eos]), stops) >= 0:
+                del out[n:]
+                return True
+        raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
+
     out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
+    stopped = at_stop()
     stream()
     started = time.perf_counter()
-    for step, experts in steps:
+    for step, experts in ([] if stopped else steps):
         for i in range(min(step.accepted + 1, len(step.drafts))):
             stats.drafted[i] += 1
         for i in range(step.accepted):
@@ -351,7 +431,10 @@ def generate(
         if recorder is not None:
             recorder.record(experts)
         out.extend(step.emitted)
+        stopped = at_stop()
         stream()
+        if stopped:
+            break
     stats.decode_seconds = time.perf_counter() - started
     if planner is not None:
         carried[(id(drafter), strategy.key)] = (planner.proposed, planner.accepted)
@@ -360,27 +443,40 @@ def generate(
         stats.experts_per_pass = recorder.distinct()
     out = _output(out, max_tokens, eos)
     stats.generated = len(out)
-    text = model.tokenizer.decode([t for t in out if t != eos]) if model.tokenizer is not None else ""
-    return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats)
+    text = model.tokenizer.decode([t for t in out if t not in eos]) if model.tokenizer is not None else ""
+    reason = "stop" if stopped else "end" if out and out[-1] in eos else "length"
+    if stopped:
+        text = text[:_find_stop(text, stops)]
+    return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats, finish_reason=reason)
+
+
+def _end_set(eos) -> frozenset[int]:
+    """The end ids as a set: None (none), one id, or a collection of ids."""
+    if eos is None:
+        return frozenset()
+    return frozenset(eos) if isinstance(eos, (set, frozenset, list, tuple)) else frozenset((int(eos),))
 
 
 def _output(tokens: list[int], max_tokens: int, eos) -> list[int]:
-    """What a generation returns of the tokens decoded: at most `max_tokens`, ending at the first `eos`."""
+    """What a generation returns of the tokens decoded: at most `max_tokens`, ending at the first end id."""
     tokens = tokens[:max_tokens]
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+    ends = _end_set(eos)
+    first = next((i for i, t in enumerate(tokens) if t in ends), None)
+    return tokens if first is None else tokens[: first + 1]
 
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
                  max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True):
     """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
-    for each pass, until `max_tokens` tokens or `eos` are out. `n_draft`: a width, or a `DraftPlanner` that
-    chooses each step's.
+    for each pass, until `max_tokens` tokens or an end id (`eos`: None, one id or a set of them) are out.
+    `n_draft`: a width, or a `DraftPlanner` that chooses each step's.
 
     The next pass is queued (`mx.async_eval`) before the host reads the current one, whenever the current
     one cannot end the generation, so the machine computes while the host keeps the books: one host sync
     per pass (a planner therefore chooses each width knowing the steps up to the one before). With
     rollback="replay" the host must know what was kept before it can build the next pass."""
     planner = n_draft if isinstance(n_draft, DraftPlanner) else None
+    eos = _end_set(eos)
     widest = max(planner.costs) if planner else n_draft
     record = rollback == "record" and widest > 1
     capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
@@ -390,7 +486,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
                                   hidden, key)
     yield Step([], 0, [first])
     produced = 1
-    if produced >= max_tokens or first == eos:
+    if produced >= max_tokens or first in eos:
         return
     key = mx.random.split(key)[1]
 
@@ -422,7 +518,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         emitted = tokens[1:keep] + [next_token]
         yield Step(tokens[1:], keep - 1, emitted, proposed.count(0)), experts
         produced += len(emitted)
-        if produced >= max_tokens or (eos is not None and eos in emitted):
+        if produced >= max_tokens or any(t in eos for t in emitted):
             return
         if queued is None:
             queued = queue(state, last, key)

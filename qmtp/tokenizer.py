@@ -7,6 +7,9 @@ the real Qwen3.6 checkpoint ships its own byte-level BPE in ``tokenizer.json``. 
 
 Byte-level BPE maps every byte to a token before merging, so any string round-trips:
 ``decode(encode(s)) == s`` (for the Qwen tokenizer, up to its NFC normalisation).
+
+A tokenizer loaded from a model directory also carries the model's chat template, if it has one
+(:meth:`Tokenizer.apply_chat_template`, rendered as transformers renders it: :mod:`qmtp.chat`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from qmtp.checkpoint import open_regular, read_json, write_atomic
+from . import chat
 from .errors import CheckpointError, UsageError
 
 __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
@@ -143,12 +147,19 @@ class Tokenizer:
     Wraps a ``tokenizers.Tokenizer``; ``backend`` exposes it for anything not covered here.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, config: dict | None = None) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, config: dict | None = None,
+                 chat_template: str | None = None) -> None:
         if not isinstance(backend, tokenizers.Tokenizer):
             raise UsageError(f"expected a tokenizers.Tokenizer, got {type(backend).__name__}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise UsageError(f"chat_template: give the template's text, not {type(chat_template).__name__}")
         self.backend = backend
         self.config = dict(config or {})
         self._eos_id = self._find_eos_id()
+        # The Jinja text of the chat template: given, else the config's `chat_template` (from_dir also reads
+        # chat_template.jinja, which wins as in transformers); None when the model has none.
+        self.chat_template = chat_template if chat_template is not None else chat.load_template(None, self.config)
+        self.source: Path | None = None  # the directory it was loaded from, named in errors
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -178,7 +189,9 @@ class Tokenizer:
             if not isinstance(loaded, dict):
                 raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(loaded).__name__}")
             config = loaded
-        return cls(backend, config)
+        tokenizer = cls(backend, config, chat.load_template(directory, config))
+        tokenizer.source = directory
+        return tokenizer
 
     @classmethod
     def check_dir(cls, path: str | os.PathLike[str], vocab_size: int) -> Tokenizer | None:
@@ -225,6 +238,55 @@ class Tokenizer:
         a different question from where a document ends.)
         """
         return self._eos_id
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """Ids that end a generation as far as the tokenizer knows: ``<|endoftext|>`` and the config's
+        ``eos_token`` (Qwen3.6's is ``<|im_end|>``, which ends a chat turn). `qmtp.chat.end_ids` adds the
+        checkpoint's generation_config.json."""
+        ids = {self._eos_id, self._config_token_id("eos_token")}
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens of tokenizer_config.json (eos_token, pad_token, ...) that are set: a chat
+        template sees them as variables, as in transformers."""
+        found = {name: _token_content(self.config.get(name)) for name in chat.SPECIAL_TOKENS}
+        return {name: text for name, text in found.items() if text is not None}
+
+    def _config_token_id(self, name: str) -> int | None:
+        text = _token_content(self.config.get(name))
+        return self.backend.token_to_id(text) if text is not None else None
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+                            tokenize: bool = False, *, tools=None, documents=None, chat_template: str | None = None,
+                            **kwargs):
+        """The prompt of a conversation: `messages` ([{"role": "user", "content": "..."}, ...]) rendered by the
+        model's chat template exactly as transformers' `apply_chat_template(..., tokenize=False)` renders them;
+        with `tokenize`, its token ids (special-token text mapped to its ids, nothing added).
+
+        Unlike transformers, `add_generation_prompt` defaults to True (a prompt to generate from).
+        `enable_thinking`: None leaves it to the template (Qwen: thinking on), False asks for no thinking.
+        `tools`: JSON schemas; `chat_template`: a template's text to use instead of the model's; other keyword
+        arguments (e.g. Qwen3.6's `preserve_thinking=True`, which keeps earlier turns' thinking) are the
+        template's variables. A model without a template raises UsageError (give a prompt string instead)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            where = f"{self.source}: " if self.source is not None else ""
+            raise UsageError(f"{where}the tokenizer has no chat template (no {chat.TEMPLATE_FILE}, no chat_template "
+                             f"in {CONFIG_FILE}): give the prompt as text or token ids instead of messages")
+        if not isinstance(template, str):
+            raise UsageError(f"chat_template: give the template's text, not {type(template).__name__}")
+        for name, value in (("add_generation_prompt", add_generation_prompt), ("tokenize", tokenize)):
+            if not isinstance(value, bool):
+                raise UsageError(f"{name}={value!r:.40} must be True or False")
+        if enable_thinking is not None:
+            if not isinstance(enable_thinking, bool):  # the template tests `enable_thinking is false`
+                raise UsageError(f"enable_thinking={enable_thinking!r:.40} must be True, False or None")
+            kwargs["enable_thinking"] = enable_thinking
+        text = chat.render(template, messages, tools=tools, documents=documents,
+                           add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs)
+        return self.encode(text) if tokenize else text
 
     @property
     def vocab_size(self) -> int:

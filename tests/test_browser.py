@@ -3,6 +3,18 @@ blocked. Each page must load nothing but local files, log no console error, rend
 output, no raw TeX left), load every image, keep the text column within its width at 1280 px, and render
 its widgets; chapter 5's explorer must also answer its slider. A screenshot of each page is saved.
 
+And each page must read as a book's page does (book/_ext/book_pages.py and its stylesheet):
+
+- nothing in the text column wider than the column: no code block, output, table, figure or image that runs
+  past its right edge, nor one that hides part of itself behind a scroll bar or `overflow: hidden`;
+- a line of 88 characters, the width the package's functions and the chapters' code are formatted to, fits
+  every code block without wrapping;
+- every image a figure with a caption (numbered by Sphinx), and alt text that says what it shows: not empty,
+  not a file name;
+- no character that a browser draws from a colour-emoji font (Debian's chromium has none by default and
+  shows an empty box);
+- glued values in the weight of the sentence around them (a glued verdict must not turn a sentence bold).
+
 Run after the book build, which `make test` does (`make browser-test` on an existing build):
     QMTP_BOOK_HTML=_build/html QMTP_SCREENSHOTS=_build/screenshots pytest tests/test_browser.py
 Without QMTP_BOOK_HTML (the plain `pytest` run before the book exists) the page tests skip themselves;
@@ -194,6 +206,78 @@ OVERFLOW_JS = """() => {
   return {page: document.documentElement.scrollWidth - window.innerWidth, column: column.scrollWidth - column.clientWidth, wide};
 }"""
 
+# Things in the text column that can be wider than it. An element is too wide when its right edge passes the
+# column's content box, or when it is narrower than its own content (part of it behind a scroll bar or cut
+# off by overflow: hidden).
+TOO_WIDE_JS = """() => {
+  const column = document.querySelector("article.bd-article") || document.querySelector("main");
+  const style = getComputedStyle(column);
+  const right = column.getBoundingClientRect().right - parseFloat(style.paddingRight);
+  const label = e => `${e.tagName.toLowerCase()}.${[...e.classList].slice(0, 3).join(".")} ` +
+    JSON.stringify((e.textContent || e.getAttribute("src") || "").trim().slice(0, 40));
+  const found = [];
+  for (const e of column.querySelectorAll(
+      "pre, table, img, svg, figure, div.highlight, div.cell_output, div.output, .pst-scrollable-table-container, " +
+      ".table-wrapper, .jupyter-widgets, mjx-container[display=true]")) {
+    if (e.closest("mjx-container") && e.tagName.toLowerCase() !== "mjx-container") continue;
+    const box = e.getBoundingClientRect();
+    if (!box.width) continue;  // not shown (a widget view not selected, a collapsed cell)
+    if (box.right > right + 1) found.push(`${label(e)} ends ${Math.round(box.right - right)} px past the column`);
+    else if (e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== "visible")
+      found.push(`${label(e)} hides ${e.scrollWidth - e.clientWidth} px of its content`);
+  }
+  return found;
+}"""
+
+# The package's functions and the chapters' code are formatted to 88 columns: a line that long must fit
+# every code block without wrapping.
+CODE_COLUMNS = 88
+CODE_FITS_JS = """(columns) => [...document.querySelectorAll("article div.highlight pre")].filter(pre => {
+  const probe = document.createElement("span");
+  probe.textContent = "x".repeat(columns);
+  pre.appendChild(probe);
+  const s = getComputedStyle(pre);
+  const room = pre.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight);
+  const wide = probe.getBoundingClientRect().width > room + 0.5;
+  probe.remove();
+  return wide && pre.getBoundingClientRect().width;
+}).slice(0, 3).map(pre => JSON.stringify(pre.textContent.trim().slice(0, 40)))"""
+
+FIGURES_JS = r"""() => {
+  const column = document.querySelector("article.bd-article") || document.querySelector("main");
+  const problems = [];
+  for (const img of column.querySelectorAll("img")) {
+    const src = img.getAttribute("src") || "";
+    const file = src.split("/").pop();
+    const alt = (img.getAttribute("alt") || "").trim();
+    const figure = img.closest("figure");
+    const caption = figure && figure.querySelector("figcaption");
+    if (!caption || !caption.textContent.trim()) problems.push(`image ${file} has no caption`);
+    else if (!caption.querySelector(".caption-number")) problems.push(`figure of ${file} is not numbered`);
+    if (!alt) problems.push(`image ${file} has no alt text`);
+    else if (alt === src || alt.includes(file) || /\.(png|jpe?g|svg|gif)$/i.test(alt) || alt.split(/\s+/).length < 4)
+      problems.push(`image ${file} has alt text that does not describe it: ${JSON.stringify(alt.slice(0, 60))}`);
+  }
+  return problems;
+}"""
+
+# Characters with emoji presentation by default (Unicode's Emoji_Presentation, and the variation selector that
+# asks for it): a browser draws them from a colour-emoji font, which Debian's chromium lacks.
+EMOJI = re.compile(
+    "[\u231a\u231b\u23e9-\u23ec\u23f0\u23f3\u25fd\u25fe\u2614\u2615\u2648-\u2653\u267f\u2693\u26a1"
+    "\u26aa\u26ab\u26bd\u26be\u26c4\u26c5\u26ce\u26d4\u26ea\u26f2\u26f3\u26f5\u26fa\u26fd\u2705"
+    "\u270a\u270b\u2728\u274c\u274e\u2753-\u2755\u2757\u2795-\u2797\u27b0\u27bf\u2b1b\u2b1c\u2b50"
+    "\u2b55\ufe0f\U0001f000-\U0001faff]"
+)
+
+TEXT_JS = """() => document.body.innerText + " " + [...document.querySelectorAll("[alt], [title]")]
+  .map(e => (e.getAttribute("alt") || "") + " " + (e.getAttribute("title") || "")).join(" ")"""
+
+# glued values (myst-nb's span.pasted-text) heavier than the text around them
+BOLD_GLUE_JS = """() => [...document.querySelectorAll("span.pasted-text")]
+  .filter(e => parseInt(getComputedStyle(e).fontWeight) > parseInt(getComputedStyle(e.parentElement).fontWeight))
+  .slice(0, 5).map(e => e.textContent.slice(0, 60))"""
+
 WIDGETS_JS = """() => {
   const views = document.querySelectorAll('%s');
   const rendered = [...views].filter(s => s.parentElement.querySelector(".jupyter-widgets")).length;
@@ -223,6 +307,16 @@ def check_page(reading: Reading) -> None:
         except Exception:
             widgets = page.evaluate(WIDGETS_JS)
             problems.append(f"{widgets['views'] - widgets['rendered']} of {widgets['views']} widgets not rendered")
+
+    problems += [f"wider than the text column at {WIDTH} px: {w}" for w in page.evaluate(TOO_WIDE_JS)]
+    problems += [f"a line of {CODE_COLUMNS} characters wraps in the code block {t}"
+                 for t in page.evaluate(CODE_FITS_JS, CODE_COLUMNS)]
+    problems += page.evaluate(FIGURES_JS)
+    emoji = sorted(set(EMOJI.findall(page.evaluate(TEXT_JS))))
+    if emoji:
+        problems.append("characters that need a colour-emoji font (an empty box here): "
+                        + ", ".join(f"U+{ord(c):04X}" for c in emoji))
+    problems += [f"glued value in bold inside plain text: {t!r}" for t in page.evaluate(BOLD_GLUE_JS)]
 
     overflow = page.evaluate(OVERFLOW_JS)
     if overflow["page"] > 0 or overflow["column"] > 1 or overflow["wide"]:

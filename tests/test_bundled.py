@@ -65,7 +65,7 @@ def test_text_needs_the_norm_fix(model):
 
 def test_chat_reports_the_acceptance_teacher_forcing_predicts(model):
     prompt = "Once upon a time, a little fox named"
-    result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--use-mtp", "--n-draft", "2", "--prompt", prompt,
+    result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--raw", "--use-mtp", "--n-draft", "2", "--prompt", prompt,
                              "--max-tokens", "40"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     reported = float(result.stderr.split("acceptance ")[1].split(" ")[0])

@@ -168,7 +168,7 @@ def chat(*argv, stdin: str | None = None, timeout: float = 300) -> subprocess.Co
 
 
 def test_chat_on_ranks_that_cannot_split_the_experts_says_so_in_one_line():
-    done = chat("--max-tokens", "4", "--ranks", "3", "--prompt", "The dog", "--timeout", "120")
+    done = chat("--raw", "--max-tokens", "4", "--ranks", "3", "--prompt", "The dog", "--timeout", "120")
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("qmtp: error: ") and "do not split evenly over 3 ranks" in lines[0]
@@ -176,7 +176,7 @@ def test_chat_on_ranks_that_cannot_split_the_experts_says_so_in_one_line():
 
 @pytest.mark.slow
 def test_chat_on_two_ranks_prints_the_single_process_text_once():
-    args = ("--use-mtp", "--n-draft", "3", "--max-tokens", "20")
+    args = ("--raw", "--use-mtp", "--n-draft", "3", "--max-tokens", "20")  # the bundled model has no template
     prompts = "Once upon a time\nThe dog\n"
     alone = chat(*args, stdin=prompts)
     ranked = chat(*args, "--ranks", "2", "--timeout", "240", stdin=prompts)

@@ -187,7 +187,7 @@ def test_load_refuses_a_nonfinite_small_tensor(damaged, tensor, value):
 
 def test_cli_refuses_inf_a_log_in_one_line(damaged):
     path = damaged("a_log_cli", {P + "layers.1.linear_attn.A_log": (INF, 0)})
-    print(one_line_error(run("chat", path, "--prompt", PROMPT, "--max-tokens", "4"), P + "layers.1.linear_attn.A_log",
+    print(one_line_error(run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "4"), P + "layers.1.linear_attn.A_log",
                          "holds NaN or Inf"))
 
 
@@ -235,7 +235,7 @@ def test_doctor_names_a_nan_norm_of_a_conversion(converted, tmp_path):
     assert f"1 with NaN/Inf: {tensor}" in result.stdout
     assert "DISAGREE" not in result.stdout and "record" not in result.stderr, result.stdout
     print(one_line_error(result, path, f"tensor {tensor}", "holds NaN or Inf"))
-    print(one_line_error(run("chat", path, "--prompt", PROMPT), f"tensor {tensor}", "holds NaN or Inf"))
+    print(one_line_error(run("chat", "--raw", path, "--prompt", PROMPT), f"tensor {tensor}", "holds NaN or Inf"))
 
 
 def test_load_checks_a_quantized_routers_scales(converted, tmp_path):
@@ -258,15 +258,15 @@ def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
     prompt_tokens = good.tokenizer.encode(PROMPT)
     i, token = later_token(good, 1, 0.0, prompt_tokens)
     path = damaged("embed_cli", {P + "embed_tokens.weight": (NAN, token * 64 + 1)})
-    result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "30")
+    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30")
     print(one_line_error(result, path, f"NaN or Inf logits at position {len(prompt_tokens) + i} (after token {token}"))
     assert result.stdout.startswith(PROMPT) and result.stdout.endswith("\n")  # the text so far, its line ended
-    result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "30", "--use-mtp", "--n-draft", "3")
+    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30", "--use-mtp", "--n-draft", "3")
     print(one_line_error(result, path, "NaN or Inf logits at position", str(token)))  # maybe as a draft
 
 
 def test_chat_reports_drafts_from_a_nan_head(damaged):
     path = damaged("head_cli", {"mtp.fc.weight": (NAN, 10)})
-    result = run("chat", path, "--use-mtp", "--prompt", PROMPT, "--max-tokens", "8")
+    result = run("chat", "--raw", path, "--use-mtp", "--prompt", PROMPT, "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert "7 drafts from NaN/Inf head logits" in result.stderr, result.stderr

@@ -88,12 +88,12 @@ def test_load_refuses_in_one_line_under_any_address_space_limit(reduced):
     """Never a segfault: from too little to start Python up to just short of the model (2.7 GiB in bfloat16,
     5.4 GiB in float32); with room for bfloat16 only, it loads so and says it."""
     for limit_gb in (0.5, 1, 2, 3):
-        code, out, err = run("chat", reduced, "--prompt", "hi", "--max-tokens", "1", limit_kb=int(limit_gb * 2**20))
+        code, out, err = run("chat", "--raw", reduced, "--prompt", "hi", "--max-tokens", "1", limit_kb=int(limit_gb * 2**20))
         assert code >= 0, f"killed by signal {-code} under ulimit -v {limit_gb} GB: {err[-300:]}"
         assert code != 0, f"loaded a 2.7 GiB model under a {limit_gb} GB limit?"
         if "needs" in err:
             assert err.count("\n") == 1 and "ulimit -v" in err, err
-    code, out, err = run("chat", reduced, "--prompt", "hi", "--max-tokens", "1", limit_kb=6 * 2**20)
+    code, out, err = run("chat", "--raw", reduced, "--prompt", "hi", "--max-tokens", "1", limit_kb=6 * 2**20)
     assert code == 0 and "loading it in bfloat16" in err, err[-300:]
 
 
@@ -138,7 +138,7 @@ def end_to_end(source: Path, out: Path) -> dict:
     times = {}
     for step, args in (("doctor", ("doctor", source)),
                        ("convert", ("convert", source, out, "--bits", "4", "--quiet")),
-                       ("chat", ("chat", out, "--use-mtp", "--n-draft", "2", "--max-tokens", "2", "--prompt", "Once"))):
+                       ("chat", ("chat", out, "--raw", "--use-mtp", "--n-draft", "2", "--max-tokens", "2", "--prompt", "Once"))):
         start = time.perf_counter()
         code, stdout, stderr = run(*args)
         times[step] = time.perf_counter() - start

@@ -50,6 +50,16 @@ def test_first_code_cell_imports_qmtp_and_names_the_model():
         assert "import qmtp" in first.source and "describe(" in first.source, script.name
 
 
+@pytest.mark.parametrize("script", PAGES, ids=lambda p: p.stem)
+def test_qmtp_is_imported_before_mlx(script):
+    """qmtp.blas loads an optimised BLAS for MLX only if it runs before mlx.core is first imported: a chapter that
+    imports MLX first times (and computes) with the wheel's reference BLAS while the others use OpenBLAS."""
+    imports = [line for line in script.read_text().splitlines()
+               if line.startswith(("import ", "from ")) and line.split()[1].split(".")[0] in ("qmtp", "mlx")]
+    if imports:
+        assert imports[0].split()[1].startswith("qmtp"), f"{script.name}: {imports[0]!r} comes before qmtp"
+
+
 def test_pages_that_read_the_chapters_run_after_them():
     """Sphinx reads, and myst-nb executes, documents in sorted docname order whatever _toc.yml shows first: a page
     that reads the chapters' saved results must sort after every chapter, and run in every build (force)."""

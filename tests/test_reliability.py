@@ -52,7 +52,7 @@ def run(*argv, env=None, timeout=120, **kwargs) -> subprocess.CompletedProcess:
 
 
 def chat(model, *args, prompt=PROMPT, **kwargs):
-    return run("chat", model, "--prompt", prompt, "--max-tokens", "4", *args, **kwargs)
+    return run("chat", "--raw", model, "--prompt", prompt, "--max-tokens", "4", *args, **kwargs)
 
 
 def lines(text: str) -> list[str]:
@@ -475,7 +475,7 @@ def test_same_seed_same_tokens_in_process(good):
 def test_same_seed_same_text_across_processes(good, flags):
     outputs = []
     for hash_seed in ("1", "2"):
-        result = run("chat", good, "--prompt", PROMPT, "--max-tokens", "24", *flags, env={"PYTHONHASHSEED": hash_seed})
+        result = run("chat", "--raw", good, "--prompt", PROMPT, "--max-tokens", "24", *flags, env={"PYTHONHASHSEED": hash_seed})
         assert result.returncode == 0, result.stderr
         outputs.append(result.stdout)
     assert outputs[0] == outputs[1] and outputs[0].startswith(PROMPT)
@@ -601,7 +601,7 @@ def test_chat_on_damaged_weights_says_so(make, flags):
     norm is refused already by `load`, naming it: tests/test_finite.py; here a large tensor every token reads.)"""
     path = make("nan_chat")
     poke(path, UP, np.nan)
-    result = run("chat", path, "--prompt", "hello", "--max-tokens", "4", *flags)
+    result = run("chat", "--raw", path, "--prompt", "hello", "--max-tokens", "4", *flags)
     print(one_line_error(result, path, "NaN or Inf logits", "doctor MODEL --scan"))
 
 
@@ -695,7 +695,7 @@ def test_a_fifo_never_hangs(make, name, tmp_path):
     path = make(f"fifo_{name}", shards=FIFO_CASES[name])
     _replace_with_fifo(path / name)
     started = time.perf_counter()
-    result = run("chat", path, "--prompt", PROMPT, "--max-tokens", "2", timeout=30)
+    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "2", timeout=30)
     assert time.perf_counter() - started < 30
     print(one_line_error(result, path / name, "FIFO", "not a regular file"))
     if not name.startswith("tokenizer"):
@@ -858,21 +858,21 @@ def test_a_tokenizer_much_smaller_than_the_embedding_warns(make, tokenizer):
 
 
 def test_undecodable_prompts_are_one_line(good):
-    result = subprocess.run([sys.executable.encode(), b"-m", b"qmtp", b"chat", str(good).encode(), b"--prompt",
+    result = subprocess.run([sys.executable.encode(), b"-m", b"qmtp", b"chat", b"--raw", str(good).encode(), b"--prompt",
                              b"\xff\xfe hi"], capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     helpers.one_line_error(result.stderr.decode(), "--prompt", "not valid UTF-8")
     assert result.returncode == 2
-    result = run("chat", good, "--max-tokens", "2", input="\udcff bad\n".encode("utf-8", "surrogateescape").decode(
+    result = run("chat", "--raw", good, "--max-tokens", "2", input="\udcff bad\n".encode("utf-8", "surrogateescape").decode(
         "latin-1"))
     assert result.returncode in (0, 2) and "Traceback" not in result.stderr
-    raw = subprocess.run([sys.executable, "-m", "qmtp", "chat", str(good), "--max-tokens", "2"], input=b"\xff\xfe\n",
+    raw = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--raw", str(good), "--max-tokens", "2"], input=b"\xff\xfe\n",
                          capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert raw.returncode == 2
     helpers.one_line_error(raw.stderr.decode(), "stdin", "not valid UTF-8")
 
 
 def test_a_closed_stdout_is_quiet(good):
-    script = (f"printf 'a\\nb\\nc\\n' | {sys.executable} -m qmtp chat {good} --max-tokens 20 2>err.txt | head -c 1 "
+    script = (f"printf 'a\\nb\\nc\\n' | {sys.executable} -m qmtp chat --raw {good} --max-tokens 20 2>err.txt | head -c 1 "
               f">/dev/null; {sys.executable} -m qmtp doctor {good} 2>>err.txt | head -1 >/dev/null; cat err.txt")
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=good.parent,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)

@@ -53,7 +53,7 @@ def refused_everywhere(path: Path, tmp_path: Path, *fragments, error=CheckpointE
     """load raises `error`, and chat, convert and doctor exit 2 with one line; each message holds every fragment;
     convert writes nothing."""
     print(expect(error, lambda: qmtp.load(path), *fragments))
-    print("chat:", one_line_error(run("chat", path, "--prompt", "Once", "--max-tokens", "2"), *fragments))
+    print("chat:", one_line_error(run("chat", "--raw", path, "--prompt", "Once", "--max-tokens", "2"), *fragments))
     out = tmp_path / "out"
     print("convert:", one_line_error(run("convert", path, out, "--quiet"), *fragments))
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -429,7 +429,7 @@ def test_chat_while_convert_force_replaces_the_folder_is_clean(two_conversions, 
     for name, src in (("a", a), ("b", b)):
         ref = tmp_path / f"ref_{name}"
         assert run("convert", src, ref, "--quiet").returncode == 0
-        result = run("chat", ref, "--prompt", "Once upon a time", "--max-tokens", "6")
+        result = run("chat", "--raw", ref, "--prompt", "Once upon a time", "--max-tokens", "6")
         assert result.returncode == 0, result.stderr
         refs[name] = result.stdout
     assert refs["a"] != refs["b"]
@@ -450,7 +450,7 @@ def test_chat_while_convert_force_replaces_the_folder_is_clean(two_conversions, 
     worker.start()
     outcomes = []
     while not done.is_set():
-        result = run("chat", dst, "--prompt", "Once upon a time", "--max-tokens", "6")
+        result = run("chat", "--raw", dst, "--prompt", "Once upon a time", "--max-tokens", "6")
         assert "Traceback" not in result.stderr, result.stderr
         if result.returncode == 0:
             assert result.stdout in refs.values(), (result.stdout, refs)

@@ -199,19 +199,19 @@ def test_numpy_integers_are_integers(model, reference, kind):
 
 
 def test_a_seed_of_2_to_the_64_on_the_command_line():
-    result = run("chat", "--prompt", PROMPT, "--max-tokens", "2", "--seed", str(2**64))
+    result = run("chat", "--raw", "--prompt", PROMPT, "--max-tokens", "2", "--seed", str(2**64))
     one_line_error(result, "--seed 18446744073709551616")
     assert result.stdout == ""  # refused before the prompt is echoed
-    assert run("chat", "--prompt", PROMPT, "--max-tokens", "2", "--seed", str(2**64 - 1)).returncode == 0
+    assert run("chat", "--raw", "--prompt", PROMPT, "--max-tokens", "2", "--seed", str(2**64 - 1)).returncode == 0
 
 
 @pytest.mark.parametrize("where", ["argument", "QMTP_MODEL", "convert destination", "convert source"])
 def test_a_home_of_no_such_user_is_one_line(where, tmp_path):
     missing = "~nosuchuser-qmtp/model"
     if where == "argument":
-        result = run("chat", missing, "--prompt", PROMPT)
+        result = run("chat", "--raw", missing, "--prompt", PROMPT)
     elif where == "QMTP_MODEL":
-        result = run("chat", "--prompt", PROMPT, env={"QMTP_MODEL": missing})
+        result = run("chat", "--raw", "--prompt", PROMPT, env={"QMTP_MODEL": missing})
     elif where == "convert destination":
         result = run("convert", REPO / "qmtp/assets/tiny", missing)
     else:
@@ -222,7 +222,7 @@ def test_a_home_of_no_such_user_is_one_line(where, tmp_path):
 @pytest.mark.parametrize("command", ["chat", "convert", "doctor"])
 def test_a_5000_character_path_is_one_line(command, tmp_path):
     long = "a" * 5000
-    argv = {"chat": ("chat", long, "--prompt", PROMPT), "convert": ("convert", REPO / "qmtp/assets/tiny", long),
+    argv = {"chat": ("chat", long, "--raw", "--prompt", PROMPT), "convert": ("convert", REPO / "qmtp/assets/tiny", long),
             "doctor": ("doctor", long)}[command]
     line = one_line_error(run(*argv))
     assert len(line) < 400, line
@@ -231,7 +231,7 @@ def test_a_5000_character_path_is_one_line(command, tmp_path):
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
 def test_a_prompt_the_terminal_cannot_encode_is_escaped(encoding):
     prompt = "Once upon a time, caf\u00e9 \u2615 \U0001f600"
-    result = run("chat", "--prompt", prompt, "--max-tokens", "3", env={"PYTHONIOENCODING": encoding},
+    result = run("chat", "--raw", "--prompt", prompt, "--max-tokens", "3", env={"PYTHONIOENCODING": encoding},
                  encoding=encoding)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stdout.startswith("Once upon a time, caf")
@@ -239,8 +239,8 @@ def test_a_prompt_the_terminal_cannot_encode_is_escaped(encoding):
 
 
 def test_a_prompt_line_ended_by_crlf_loses_the_cr():
-    plain = run("chat", "--max-tokens", "4", input=f"{PROMPT}\n")
-    crlf = run("chat", "--max-tokens", "4", input=f"{PROMPT}\r\n")
+    plain = run("chat", "--raw", "--max-tokens", "4", input=f"{PROMPT}\n")
+    crlf = run("chat", "--raw", "--max-tokens", "4", input=f"{PROMPT}\r\n")
     assert plain.returncode == crlf.returncode == 0, crlf.stderr
     assert "\r" not in crlf.stdout
     assert crlf.stdout == plain.stdout
@@ -358,10 +358,40 @@ def test_a_damaged_tokenizer_fails_doctor_and_convert_and_chat(copy_of_tiny, tmp
     assert "tokenizer: UNUSABLE" in doctor.stdout and fragment in doctor.stderr
     one_line_error(run("convert", copy_of_tiny, tmp_path / "out", "--quiet"), "tokenizer.json", fragment)
     assert not (tmp_path / "out").exists()
-    one_line_error(run("chat", copy_of_tiny, "--prompt", PROMPT), fragment)
+    one_line_error(run("chat", "--raw", copy_of_tiny, "--prompt", PROMPT), fragment)
 
 
 def test_doctor_names_the_tokenizer_it_checked():
     result = run("doctor", TINY)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^tokenizer: \d+ ids$", result.stdout, re.M), result.stdout
+
+
+@pytest.mark.parametrize("run", range(4))  # the abort was a race at exit, in about half the runs
+def test_loading_in_worker_threads_exits_normally_and_reads_the_same_weights(model, run):
+    """qmtp.load on a worker thread, then a full load on the next worker (which usually gets the first one's
+    thread id back): the process exits 0 (it aborted when a loading thread kept its MLX streams, and when the
+    first load's unread lazy arrays outlived it in a cache keyed by thread id), and the second model's weights
+    equal a main-thread load's."""
+    result = python("""
+        import threading, qmtp
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        sums = {}
+        def work(layers):
+            loaded = qmtp.load(layers=layers)
+            mx.eval(loaded.parameters())
+            for name, w in tree_flatten(loaded.parameters()):
+                sums[name] = float(mx.sum(w.astype(mx.float32)).item())
+        for layers in (1, None):
+            thread = threading.Thread(target=work, args=(layers,))
+            thread.start()
+            thread.join()
+        print("TOKENS", repr(sums))
+    """)
+    sums = _tokens(result)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    expected = {name: float(mx.sum(w.astype(mx.float32)).item()) for name, w in tree_flatten(model.parameters())}
+    assert sums == expected

@@ -68,8 +68,8 @@ def norm_weights(path, **load_options) -> dict[str, list[float]]:
 
 
 def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30, length: int = 128) -> dict:
-    """Run one variant: held-out accuracy and perplexity (windows of `length` tokens) and a greedy continuation,
-    or MLX's refusal."""
+    """Run one variant: held-out accuracy and perplexity (windows of `length` tokens), how sure the model is of
+    its choices, and a greedy continuation; or MLX's refusal."""
     import gc
 
     import mlx.core as mx
@@ -81,6 +81,7 @@ def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30, len
     try:
         model = make_model()
         metrics = text_metrics(model, texts, length=length)
+        sure = confidence(model, texts, length=length)
         continuation = generate(model, prompt, max_tokens=max_tokens).text
     except ValueError as err:  # MLX refuses a kernel of the wrong shape
         return {"runs": False, "error": str(err).splitlines()[0]}
@@ -90,4 +91,43 @@ def outcome(make_model, texts: list[str], prompt: str, max_tokens: int = 30, len
         del model
         gc.collect()
         mx.clear_cache()
-    return {"runs": True, "accuracy": metrics.accuracy, "perplexity": metrics.perplexity, "continuation": continuation}
+    return {"runs": True, "accuracy": metrics.accuracy, "perplexity": metrics.perplexity, **sure,
+            "continuation": continuation}
+
+
+def confidence(model: Model, texts: list[str], length: int = 128) -> dict:
+    """How sure the trunk is, teacher-forced over `texts`: the mean probability it gives its own top choice,
+    and its mean cross-entropy (nats) at the positions where that choice is wrong. A model that spreads its
+    probability (near uniform) and one that is sure and wrong can differ little in accuracy and a lot in
+    perplexity: this tells them apart."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .evaluate import _windows
+
+    rows = mx.array(_windows(model, texts, length))
+    _, h = model.trunk(rows[:, :-1])
+    probs = mx.softmax(model.logits(h).astype(mx.float32), axis=-1)
+    targets = rows[:, 1:]
+    top = np.array(probs.max(axis=-1))
+    wrong = np.array(mx.argmax(probs, axis=-1) != targets)
+    true = np.array(mx.take_along_axis(probs, targets[..., None], -1)[..., 0])
+    loss = -np.log(np.maximum(true, np.finfo(np.float32).tiny))
+    return {"top_probability": float(top.mean()),
+            "loss_when_wrong": float(loss[wrong].mean()) if wrong.any() else float("nan")}
+
+
+def norm_kinds(config) -> list[dict]:
+    """Every kind of norm weight in the model `config` describes (layer numbers folded), how many there are
+    and whether the norm fix shifts it (`qmtp.fixes.is_zero_centred_norm`): read from the module tree, so
+    the list is the model's own, not a copy of the fix's."""
+    import re
+
+    names = [n for n, _ in tree_flatten(Model(config).parameters())
+             if "norm" in n.rsplit(".", 2)[-2] and n.endswith(".weight")]
+    kinds: dict[str, dict] = {}
+    for name in names:
+        kind = re.sub(r"layers\.\d+\.", "layers.N.", name)
+        row = kinds.setdefault(kind, {"norm weight": kind, "count": 0, "shifted": fixes.is_zero_centred_norm(name)})
+        row["count"] += 1
+    return list(kinds.values())

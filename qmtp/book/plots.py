@@ -167,7 +167,7 @@ def acceptance_by_position(results: dict):
                   label=f"n_draft={n}")
     left.set_xlabel("draft position")
     left.set_xticks(range(1, max(len(r["per_position"]) for r in results.values()) + 1))
-    left.set_ylabel("acceptance")
+    left.set_ylabel("acceptance (share of proposals kept)")
     left.set_ylim(0, 1)
     left.legend(frameon=False)  # "best": wherever the lines are not
     tokens = [results[n]["tokens_per_trunk_pass"] for n in ns]
@@ -181,12 +181,15 @@ def acceptance_by_position(results: dict):
     return fig
 
 
-def bars(labels, values, ylabel: str, colour: str = TRUNK, ylim=(0, 1)):
+def bars(labels, values, ylabel: str, colour: str = TRUNK, ylim=(0, 1), xlabel: str | None = None):
+    """One bar per label, its value written above it; one colour, so no legend."""
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(labels, values, color=colour)
     for i, v in enumerate(values):
         ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=10)
     ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
     if ylim:
         ax.set_ylim(*ylim)
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
@@ -249,10 +252,10 @@ def width_curves(by_width: dict, xlabel: str):
     labels = [str(w) for w in by_width]
     fig, (left, right) = plt.subplots(1, 2, figsize=(7.4, 3))
     left.plot(labels, [m["perplexity"] for m in by_width.values()], "o-", color=TRUNK)
-    left.set_ylabel("held-out perplexity")
+    left.set_ylabel("held-out perplexity (trunk)")
     left.set_xlabel(xlabel)
     right.plot(labels, [m["acceptance_n_draft_2"] for m in by_width.values()], "o-", color=ACCEPTED)
-    right.set_ylabel("acceptance at n_draft=2")
+    right.set_ylabel("acceptance at n_draft=2 (share kept)")
     right.set_xlabel(xlabel)
     right.set_ylim(0, 1)
     fig.tight_layout()

@@ -29,7 +29,8 @@ def steps_html(generation, tokenizer, upto: int) -> str:
 
 
 def step_explorer(generation, tokenizer):
-    """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's.
+    """A slider over trunk passes: green drafts accepted, red (struck) the first rejected, blue the trunk's,
+    with a legend that says so above the slider.
 
     Every step's text is rendered up front and the slider picks one in the browser (jslink), so the book's
     saved widget state answers the slider without a kernel: offline, in a downloaded copy.
@@ -37,7 +38,10 @@ def step_explorer(generation, tokenizer):
     import ipywidgets as w
 
     n = len(shown_passes(generation))
+    legend = w.HTML("what each colour means: " + " ".join([
+        _span("draft accepted", ACCEPTED), _span("draft rejected", REJECTED, strike=True),
+        _span("the trunk's own token", TRUNK)]))
     views = w.Stack([w.HTML(steps_html(generation, tokenizer, k)) for k in range(n + 1)], selected_index=n)
     slider = w.IntSlider(value=n, min=0, max=n, description="passes")
     w.jslink((slider, "value"), (views, "selected_index"))
-    return w.VBox([slider, views])
+    return w.VBox([legend, slider, views])

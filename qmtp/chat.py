@@ -1,0 +1,243 @@
+"""Chat: the model's chat template rendered as transformers renders it, the ids that end a reply, and a reply
+split into its thinking and its answer.
+
+Qwen3.5 and 3.6 are chat models: a conversation reaches them as `<|im_start|>ROLE\\n...<|im_end|>\\n` turns,
+rendered from a list of messages by the checkpoint's chat template, a Jinja program (`chat_template.jinja`,
+or `chat_template` in `tokenizer_config.json`). The template decides everything the model sees: the system
+message, the tools, whether the reply starts inside `<think>` (thinking on, the default) or after an empty
+`<think>\\n\\n</think>` (`enable_thinking=False`), and whether the thinking of earlier turns is kept.
+
+`render` runs a template exactly as transformers' `apply_chat_template(..., tokenize=False)` does (checked
+against it in tests/test_chat.py): a sandboxed Jinja environment (`ImmutableSandboxedEnvironment`, with
+`trim_blocks` and `lstrip_blocks`, the loop-controls extension and the `{% generation %}` tag), its
+`raise_exception`, its `tojson` (no HTML escaping, non-ASCII kept), `strftime_now`, `dict` and a
+`namespace` that refuses underscore names; messages are copied as plain JSON data with the keys whose
+value is None dropped, and a message's `reasoning` or `thinking` is also passed as `reasoning_content`
+(and the other way round), as transformers 5 does; the tokenizer's named special tokens (`eos_token`,
+...) are variables, which keyword arguments override.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from .checkpoint import read_json
+from .errors import CheckpointError, UsageError
+
+__all__ = ["GENERATION_CONFIG", "TEMPLATE_FILE", "end_ids", "opens_thinking", "render", "split_thinking"]
+
+TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
+MAX_TEMPLATE_BYTES = 1024 * 1024  # Qwen3.6's template is about 8 KB
+THINK, END_THINK = "<think>", "</think>"
+# The names transformers passes a message's reasoning under (it fills all of them from whichever is given)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+# ---- where the template comes from ------------------------------------------------------------------------
+def load_template(directory: str | os.PathLike[str] | None, config: Mapping) -> str | None:
+    """The template of a model directory: `chat_template.jinja` if it exists (transformers gives it priority),
+    else `chat_template` in tokenizer_config.json (a string, or a list of named templates of which "default"
+    is used), else None."""
+    if directory is not None:
+        path = Path(directory) / TEMPLATE_FILE
+        if path.exists() or path.is_symlink():
+            from .checkpoint import open_regular
+
+            with open_regular(path, what=TEMPLATE_FILE) as f:
+                data = f.read(MAX_TEMPLATE_BYTES + 1)
+            if len(data) > MAX_TEMPLATE_BYTES:
+                raise CheckpointError(f"{path}: more than {MAX_TEMPLATE_BYTES} bytes, too large for a chat template")
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise CheckpointError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise CheckpointError("tokenizer_config.json: chat_template must be a string (or a list of named templates "
+                          f"with a 'default'), got {type(value).__name__}")
+
+
+# ---- the Jinja environment, as transformers builds it -----------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str):
+    """The compiled template; a syntax error is one line naming the template's line."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` marks the assistant's text for training masks; rendering
+        keeps the text as it is (what transformers renders when it does not track the spans)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class TemplateDict:  # `dict(...)` in a template, without the class's attributes
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a template cannot store {name!r} (underscore) on a namespace")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise CheckpointError(f"the chat template does not compile: {err.message} (line {err.lineno})") from None
+
+
+# ---- the data a template sees -------------------------------------------------------------------------------
+def _plain(value, where: str):
+    """`value` rebuilt from plain JSON types (what the sandbox may read); anything else is a usage error."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    for kind in (str, int, float):
+        if isinstance(value, kind):  # a subclass (an enum...) may carry methods: back to the base type
+            return kind(value)
+    if isinstance(value, Mapping):
+        return {_plain(k, where): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v, f"{where}[{i}]") for i, v in enumerate(value))
+    item = getattr(value, "item", None)  # a numpy scalar
+    if callable(item) and getattr(value, "shape", None) == ():
+        return _plain(item(), where)
+    raise UsageError(f"{where}: a chat template reads text, numbers, lists and dicts, not {type(value).__name__}")
+
+
+def _messages(messages) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise UsageError(f"messages: give a list of {{'role': ..., 'content': ...}} dicts, not "
+                         f"{type(messages).__name__} {messages!r:.40}")
+    if not messages:
+        raise UsageError("messages: the conversation is empty: give at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise UsageError(f"messages[{i}]: give a dict with 'role' and 'content', not {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise UsageError(f"messages[{i}]: needs a 'role' (system, user, assistant or tool), got {role!r:.40}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list, tuple)):
+            raise UsageError(f"messages[{i}] ({role}): 'content' must be text or a list of parts, not "
+                             f"{type(content).__name__}")
+        plain = _plain({k: v for k, v in message.items() if v is not None}, f"messages[{i}]")
+        reasoning = next((plain[k] for k in REASONING_FIELDS if plain.get(k) is not None), None)
+        if reasoning is not None:  # as transformers 5: every template finds it under the name it reads
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        out.append(plain)
+    return out
+
+
+def render(template: str, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
+           special_tokens: Mapping[str, str] | None = None, **kwargs) -> str:
+    """The text of `messages` (and `tools`, JSON schemas) under `template`; `kwargs` (enable_thinking,
+    preserve_thinking, ...) are the template's variables. A template that refuses the conversation
+    (`raise_exception`, a missing field) raises UsageError with its message."""
+    import jinja2
+
+    chat = _messages(messages)
+    if tools is not None:
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+            raise UsageError(f"tools: give a list of JSON schemas (dicts), not {type(tools).__name__}")
+        bad = next((t for t in tools if not isinstance(t, Mapping)), None)
+        if bad is not None:
+            raise UsageError(f"tools: each tool is a JSON schema (a dict), not {type(bad).__name__} {bad!r:.40}")
+    variables = {**(special_tokens or {}), **kwargs}
+    compiled = compile_template(template)
+    try:
+        return compiled.render(messages=chat, tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
+                               add_generation_prompt=add_generation_prompt, **_plain(variables, "template argument"))
+    except jinja2.exceptions.TemplateError as err:  # raise_exception, undefined names, the sandbox
+        raise UsageError(f"the chat template refuses these messages: {err.message or type(err).__name__}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as err:  # e.g. content of a wrong kind
+        raise UsageError(f"the chat template fails on these messages: {type(err).__name__}: {err}") from None
+
+
+# ---- where a reply ends -------------------------------------------------------------------------------------
+def end_ids(model) -> frozenset[int]:
+    """Every id that ends a reply: the tokenizer's (`<|endoftext|>` and its config's `eos_token`) and the
+    `eos_token_id` of the checkpoint's generation_config.json (one id or a list: Qwen3.6 lists `<|im_end|>`
+    and `<|endoftext|>`)."""
+    ids = set(model.tokenizer.end_ids) if model.tokenizer is not None else set()
+    path = Path(model.path) / GENERATION_CONFIG if getattr(model, "path", None) else None
+    if path is not None and (path.exists() or path.is_symlink()):
+        config = read_json(path, what=GENERATION_CONFIG)
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
+        declared = value if isinstance(value, list) else [value] if value is not None else []
+        for token in declared:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.config.vocab_size:
+                raise CheckpointError(f"{path}: eos_token_id {value!r:.60} must be an id (or a list of ids) below "
+                                      f"the vocabulary size {model.config.vocab_size}")
+            ids.add(token)
+    return frozenset(ids)
+
+
+# ---- thinking and answer ------------------------------------------------------------------------------------
+def opens_thinking(prompt_text: str) -> bool:
+    """Whether the prompt leaves the reply inside a `<think>` block (the template's generation prompt with
+    thinking on): then the reply's text up to `</think>` is its thinking."""
+    return prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK)
+
+
+def split_thinking(text: str, opened: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a reply, cut as Qwen's template cuts an assistant message: the thinking is what
+    comes before `</think>` (after any `<think>`), newlines trimmed; the answer what follows it, leading
+    newlines dropped. A reply with no `</think>` is all thinking when the prompt `opened` a think block (it
+    ran out of tokens while thinking) or it starts one itself, else all answer."""
+    if END_THINK in text:
+        head, _, answer = text.partition(END_THINK)
+        return head.split(THINK)[-1].strip("\n"), answer.lstrip("\n")
+    if opened or text.lstrip().startswith(THINK):
+        return text.split(THINK, 1)[-1].strip("\n") if not opened else text.strip("\n"), ""
+    return "", text
