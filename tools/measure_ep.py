@@ -45,7 +45,7 @@ def worker(out_dir: Path, model_path, max_tokens: int, ranked: bool) -> None:
              "weights_bytes": sum(p.nbytes for _, p in tree_flatten(model.parameters())),
              "peak_rss_after_load": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              "tokens": {}, "tokens_per_second": {}}
-    prompt = model.tokenizer.encode(PROMPT)
+    prompt = model.tokenizer.encode(PROMPT) if model.tokenizer else [1, 2, 3, 4, 5]  # a synthetic model: ids
     for n in N_DRAFTS:
         qmtp.generate(model, prompt, max_tokens=max_tokens, n_draft=n, stop_at_eos=False)  # traces, compiles
         g = qmtp.generate(model, prompt, max_tokens=max_tokens, n_draft=n, stop_at_eos=False)
