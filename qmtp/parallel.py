@@ -14,8 +14,9 @@ one process: a value plus zeros is that value exactly, so after the collective e
 the [T, k, H] outputs the single process computes, and weights and adds them in its order. Partial sums added
 in a new order would round differently, and a greedy argmax that is a near tie would flip.
 
-What a rank computes for an expert it does not hold is thrown away (`mx.where`), so the shapes stay fixed and
-the step stays one compiled graph; the bytes it reads are its own block's only.
+A chosen expert a rank does not hold is computed there with the block's first expert and the result thrown away
+(`mx.where`), so the shapes stay fixed and the step stays one compiled graph; a rank reads its own share of the
+pass's experts, plus that first expert at most.
 """
 
 from __future__ import annotations
