@@ -310,8 +310,8 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
 
 
 def measured_vs_predicted(report: dict):
-    """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the cost
-    model's prediction from its fitted overhead and bandwidth (dots), from `qmtp.book.bench.mtp`."""
+    """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the loop
+    model's prediction (dots) and the bytes model's (crosses), from `qmtp.book.bench.mtp`'s "cost_model"."""
     results = report["results"]
     predictions = {p["n_draft"]: p for p in report["cost_model"]["predictions"]}
     plain = next(r for r in results if r["n_draft"] == 1)
@@ -321,8 +321,12 @@ def measured_vs_predicted(report: dict):
     high = [r["tokens_per_second_max"] / plain["tokens_per_second"] - m for m, r in zip(measured, results)]
     fig, ax = plt.subplots()
     ax.bar(ns, measured, color=TRUNK, alpha=0.8, yerr=[[max(0, v) for v in low], [max(0, v) for v in high]],
-           capsize=3, label="measured")
-    ax.plot(ns, [predictions[n]["predicted_speedup"] for n in ns], "o", color=REJECTED, label="cost model (fitted)")
+           capsize=3, label="measured (median round;\nwhiskers: slowest, fastest)")
+    ax.plot(ns, [predictions[n]["predicted_speedup"] for n in ns], "o", color=REJECTED,
+            label="loop model (tokens)")
+    by_bytes = [predictions[n].get("bytes_model_speedup", float("nan")) for n in ns]
+    if any(b == b for b in by_bytes):  # not all NaN
+        ax.plot(ns, by_bytes, "x", color="#555555", label="bytes model\n(overhead clamped at 0)")
     ax.plot(ns, [predictions[n]["tokens_per_pass"] for n in ns], "_", ms=18, color="#888888",
             label="tokens per pass (the ceiling)")
     ax.axhline(1.0, color="black", lw=0.6)
