@@ -195,7 +195,8 @@ glue(
 
 # %% [markdown]
 # {doc}`06_throughput` predicts, from the bytes each pass of the real config reads, that on a machine where a
-# pass costs its bytes MTP gains {glue:text}`cm_best:.2f`x at best (`n_draft` = {glue:text}`cm_best_n`, 4-bit).
+# pass costs its bytes MTP gains {glue:text}`cm_best:.2f`x at best (`n_draft` = {glue:text}`cm_best_n`, a 4-bit
+# trunk and the head in bf16).
 # The same chapter timed passes at the real widths on this machine ({glue:text}`rw_where`): a verify pass over
 # two tokens took {glue:text}`rw_v2_time:.2f`x a plain pass's time for {glue:text}`rw_v2_bytes:.2f`x its
 # bytes, and a step at `n_draft=2` costs {glue:text}`rw_break_even:.2f` plain passes,

@@ -41,6 +41,7 @@ CHAPTERS = (
     "04_quantizing",
     "05_mtp_decoding",
     "06_throughput",
+    "07_engine",
 )
 saved = {chapter: results.load(chapter, path) for chapter in CHAPTERS}
 on_tiny = not budget.active(config)
@@ -169,8 +170,9 @@ best_measured = max(measured, key=measured.get)
 glue("f_meas2", measured["2"], display=False)
 glue("f_meas_best", measured[best_measured], display=False)
 glue("f_meas_best_n", best_measured, display=False)
-glue("f_vs_mlx_lm", throughput_saved["qmtp_over_mlx_lm"], display=False)
-glue("f_auto", throughput_saved["auto_over_best_fixed"], display=False)
+glue("f_vs_mlx_lm", saved["07_engine"]["qmtp_over_mlx_lm"], display=False)
+glue("f_auto", saved["07_engine"]["auto_over_best_fixed"], display=False)
+glue("f_rw_mlx_lm", saved["07_engine"]["real_width_qmtp_over_mlx_lm"], display=False)
 rows = {r["pass"]: r for r in throughput_saved["real_width"]["rows"]}
 glue("f_rw_layers", throughput_saved["real_width"]["layers"], display=False)
 glue("f_rw_plain_ms", rows["plain, 1 token"]["seconds"] * 1e3, display=False)
@@ -192,12 +194,13 @@ glue(
 # 10. **Tiny model, measured.** Drafting runs at {glue:text}`f_meas2:.2f`x plain decoding at `n_draft=2`, at best
 #     {glue:text}`f_meas_best:.2f`x (`n_draft` = {glue:text}`f_meas_best_n`); `n_draft="auto"` reaches
 #     {glue:text}`f_auto:.2f`x the best fixed width; qmtp decodes at {glue:text}`f_vs_mlx_lm:.2f`x mlx-lm's speed,
-#     with the same tokens. {doc}`06_throughput`
+#     with the same tokens. {doc}`06_throughput`, {doc}`07_engine`
 # 11. **Real widths, measured.** A plain pass through {glue:text}`f_rw_layers` real-width layers takes
 #     {glue:text}`f_rw_plain_ms:.0f` ms; a verify pass over two tokens {glue:text}`f_rw_v2_time:.2f`x as long
 #     while reading {glue:text}`f_rw_v2_bytes:.2f`x the bytes: this CPU's quantized kernels are compute-bound, a
-#     step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`.
-#     {doc}`06_throughput`
+#     step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`. At
+#     these widths qmtp decodes at {glue:text}`f_rw_mlx_lm:.2f`x mlx-lm's speed: both wait on MLX's CPU
+#     quantized product. {doc}`06_throughput`, {doc}`07_engine`
 #
 # ## What only the real weights or an accelerator can settle
 #

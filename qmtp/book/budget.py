@@ -169,7 +169,11 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
     # a step at n_draft n costs one pass and n - 1 head drafts, and yields up to n tokens (priced at one per step)
     from ..tiny.corpus import REGISTERS
 
-    n_runs = 2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
+    from .evaluate import ENGINE_CHOICES
+
+    # ... and the engines' choices and two sampling temperatures, each at n_draft 2 and 3
+    n_runs = (2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
+              + 2 * len(ENGINE_CHOICES) + 2 * 2)
     ch5_seconds = n_runs * decode_tokens * (full_pass + draft)
     # chapter 6: each width; each of the 4 real-width passes: warm-up and timed calls, at least 6 and about 1.5
     # budgets

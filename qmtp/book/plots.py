@@ -373,3 +373,54 @@ def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, u
     # listed top to bottom as the segments are stacked
     fig.legend(handles[::-1], [h.get_label() for h in handles[::-1]], frameon=False, loc="outside right upper")
     return fig
+
+
+def step_profile(report: dict):
+    """Where one step of the decoding loop goes, per n_draft (`qmtp.book.bench.mtp`): the verify pass and the head's
+    drafts, each timed alone, and the rest of the step in the loop (its tokens per pass over its tokens per second,
+    less those two), in ms per step."""
+    results = report["results"]
+    ns = [r["n_draft"] for r in results]
+    verify = [r["trunk_seconds_per_pass"] * 1e3 for r in results]
+    head = [(r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3 for r in results]
+    loop = [r["tokens_per_trunk_pass"] / r["tokens_per_second"] * 1e3 for r in results]
+    rest = [max(0.0, s - v - h) for s, v, h in zip(loop, verify, head)]
+    fig, ax = plt.subplots()
+    ax.bar(ns, verify, color=TRUNK, label="verify pass (timed alone)")
+    ax.bar(ns, head, bottom=verify, color=ACCEPTED, label="head drafts (timed alone)")
+    ax.bar(ns, rest, bottom=[v + h for v, h in zip(verify, head)], color="#bbbbbb",
+           label="rest of the step in the loop")
+    ax.plot(ns, loop, "_", ms=22, color="black", label="step in the loop\n(tokens/pass / tok/s)")
+    ax.set_xticks(ns)
+    ax.set_xlabel("n_draft")
+    ax.set_ylabel("ms per step")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(labels, series: dict, ylabel: str, xlabel: str | None = None, ylim=(0, 1)):
+    """Bars grouped by label, one colour per series (dict name -> values, NaN left empty), a legend naming the
+    series and each value written above its bar."""
+    import math
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / len(series)
+    colours = [TRUNK, ACCEPTED, REJECTED, "#888888"]
+    for s, (name, values) in enumerate(series.items()):
+        xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, [0 if math.isnan(v) else v for v in values], width, color=colours[s % 4], label=name)
+        for x, v in zip(xs, values):
+            if not math.isnan(v):
+                ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels)
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
