@@ -134,10 +134,10 @@ def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tok
 
 # The engines' drafting choices, as options of `qmtp.generate` (chapter 5 measures each): label -> options.
 ENGINE_CHOICES = {
-    "qmtp: cache kept, post-norm, chain post": {},
-    "head cache reset each step": {"head_cache": "reset"},
+    "qmtp (cache kept, post-norm)": {},
+    "cache reset each step": {"head_cache": "reset"},
     "pre-norm trunk state": {"hidden": "pre"},
-    "reset and pre-norm (lemon)": {"head_cache": "reset", "hidden": "pre"},
+    "reset + pre-norm (lemon)": {"head_cache": "reset", "hidden": "pre"},
     "chain on pre-norm head output": {"chain": "pre"},
 }
 

@@ -326,7 +326,7 @@ def measured_vs_predicted(report: dict):
             label="loop model (tokens)")
     by_bytes = [predictions[n].get("bytes_model_speedup", float("nan")) for n in ns]
     if any(b == b for b in by_bytes):  # not all NaN
-        ax.plot(ns, by_bytes, "x", color="#555555", label="bytes model\n(overhead clamped at 0)")
+        ax.plot(ns, by_bytes, "x", color="#555555", label="bytes model")
     ax.plot(ns, [predictions[n]["tokens_per_pass"] for n in ns], "_", ms=18, color="#888888",
             label="tokens per pass (the ceiling)")
     ax.axhline(1.0, color="black", lw=0.6)
@@ -414,13 +414,12 @@ def grouped_bars(labels, series: dict, ylabel: str, xlabel: str | None = None, y
             if not math.isnan(v):
                 ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels)
-    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    ax.set_xticklabels(labels, fontsize=9)  # wrap long labels before: they are not rotated
     ax.set_ylabel(ylabel)
     if xlabel:
         ax.set_xlabel(xlabel)
     if ylim:
         ax.set_ylim(*ylim)
-    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(series))
     fig.tight_layout()
     return fig
