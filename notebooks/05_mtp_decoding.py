@@ -467,8 +467,10 @@ glue(
 # %% [markdown]
 # ## Acceptance under sampling
 #
-# With `temperature` above 0 a draft is sampled from the head's distribution $q$ and kept with probability
-# $\min(1, p/q)$ of the trunk's $p$ (rejection sampling: the tokens keep exactly the trunk's distribution), so a
+# % No $...$ on this page: MathJax beside the explorer's widget manager throws (MathJax.Hub is v2's API).
+#
+# With `temperature` above 0 a draft is sampled from the head's distribution q and kept with probability
+# min(1, p/q), p the trunk's (rejection sampling: the tokens keep exactly the trunk's distribution), so a
 # draft can be kept without being the trunk's top choice, and rejected although it is. The same prompts at the
 # temperatures the model card recommends, 0.6 (precise coding) and 1.0 (thinking) {cite:p}`qwen2026qwen36`,
 # beside greedy decoding (`generate(..., temperature=T, seed=0)`):

@@ -91,7 +91,7 @@ glue(
 # 2. **What a token reads.** One decoded token of the 4-bit model reads {glue:text}`f_gb_token:.2f` GB,
 #    {glue:text}`f_expert_share:.0%` of it routed experts. {doc}`06_throughput`
 # 3. **Predicted speedup.** On a purely memory-bound machine ({glue:text}`f_bandwidth:.0f` GB/s) with the reported
-#    acceptance, MTP speeds the MoE up {glue:text}`f_moe2:.2f`x at `n_draft=2` and at best
+#    acceptance, a 4-bit trunk and the head in bf16, MTP speeds the MoE up {glue:text}`f_moe2:.2f`x at `n_draft=2` and at best
 #    {glue:text}`f_moe_best:.2f`x (`n_draft` = {glue:text}`f_moe_best_n`), because a verify pass reads the union
 #    of its tokens' experts; a dense model of the same active size would gain up to
 #    {glue:text}`f_dense_best:.2f`x. {doc}`06_throughput`
