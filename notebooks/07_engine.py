@@ -160,8 +160,8 @@ fig = plots.step_profile(report)
 # calling the compiled step and queueing it, which is {glue:text}`queue_share_n2:.0%` of a step at
 # `n_draft=2`, and waiting for its tokens, {glue:text}`wait_share_n2:.0%`. On the CPU MLX computes on the
 # host's own cores, so the host's work and the computation take turns more than they overlap. That cost per
-# step is what the loop model of {doc}`06_throughput` calls $t_\text{loop}$, and the reason drafting pays on
-# the tiny model: a step's fixed cost is shared by every token the step yields.
+# step is what the loop model of {doc}`06_throughput` calls $t_\text{loop}$, and the reason drafting can pay
+# on the tiny model: a step's fixed cost is shared by every token the step yields.
 #
 # ## Choosing the width as you go
 #
@@ -432,12 +432,11 @@ glue(
 
 # %% [markdown]
 # At the real widths qmtp decodes {glue:text}`wide_qmtp:.2f` tokens/s and mlx-lm
-# {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens: the loop that counts at the
-# tiny widths is lost in the time of the products. Both engines spend it in the same MLX kernel, the CPU's
-# quantized matrix product, which {doc}`06_throughput` found compute-bound; lm_head alone, 248,320 rows of
-# 2,048 weights, is one such product per token. There qmtp's one advantage would be `qmtp.cores`: lm_head cut
-# into blocks of rows computed on separate CPU streams, so on separate cores, with exactly the same logits
-# (`QMTP_CORES=1` turns it off); on a machine of two cores shared with other work it has little to win.
+# {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens. Both engines spend their time
+# in the same MLX kernel, the CPU's quantized matrix product, whose cost on this machine {doc}`06_throughput`
+# measured; lm_head alone, 248,320 rows of 2,048 weights, is one such product per token. qmtp's one addition
+# there is `qmtp.cores`: lm_head cut into blocks of rows computed on separate CPU streams, so on separate
+# cores, with exactly the same logits (`QMTP_CORES=1` turns it off).
 #
 # %%
 saved = results.save(
