@@ -368,7 +368,7 @@ glue(
 # where a small shift in the logits flips a near-tie. A 4-bit head changes only the drafter. So on this model
 # the trunk's width, not the head's, decides acceptance. That is the tiny model's direction, not a verdict on
 # the seed's rule (keep the head in bf16): the tiny model's head is small and its task easy, whether the real
-# head tolerates 4 bits as well is not something this model can show, and {doc}`07_claims` rates the rule
+# head tolerates 4 bits as well is not something this model can show, and {doc}`08_claims` rates the rule
 # not testable here.
 
 # %% [markdown]

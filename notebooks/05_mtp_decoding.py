@@ -35,7 +35,10 @@
 # - one step of speculative decoding with the MTP head as drafter: draft, verify in one trunk pass, keep
 #   the agreed prefix plus the trunk's token, cut every cache back;
 # - why greedy output is exactly plain greedy output (checked live on held-out prompts);
-# - how acceptance falls with each further draft position, by register, and without parts of the head.
+# - how acceptance falls with each further draft position, by register, and without parts of the head;
+# - what other engines' choices cost in acceptance (the head's cache reset every step, its input before the
+#   trunk's final norm, chained drafts on its pre-norm output), which state the real head expects, and
+#   acceptance under sampling at temperatures 0.6 and 1.0.
 #
 # **What runs here.** The bundled model decodes held-out prompts plainly and with `n_draft` 2 to 5; every
 # rate is counted in this run. The chapter's run time in this build is in the
@@ -46,13 +49,15 @@
 # :::
 
 # %% tags=["hide-input"]
+import math
 import textwrap
 
 import qmtp
-from IPython.display import Markdown
+from IPython.display import Markdown, display
 from myst_nb import glue
 from qmtp import mtp
-from qmtp.book import budget, evaluate, inventory, machine, plots, results, widgets
+from qmtp.book import budget, evaluate, inventory, machine, plots, published, results
+from qmtp.book import widgets
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -318,6 +323,211 @@ fig = plots.bars(
 # against {glue:text}`acc_n2:.2f` for the complete head; fed the pre-norm state,
 # {glue:text}`acc_prenorm:.2f`.
 #
+# ## Engines' choices, as ablations
+#
+# The engines that run this head made different choices, and each is an option of qmtp's own decoding, so
+# what it costs in acceptance is measured here on the same model and prompts:
+#
+# - the head's KV cache kept from step to step (vLLM {cite:p}`vllmmtp`, qmtp) or emptied at every step, as
+#   lemon-mlx-engine does {cite:p}`lemonmlx` (`generate(..., head_cache="reset")`: the head then attends only to
+#   the position it drafts from and its own chained drafts);
+# - the trunk's state fed to the head after its final norm or before it (`hidden="pre"`, as lemon-mlx-engine
+#   feeds it);
+# - a chained draft fed the head's own output after its final norm or before it (`chain="pre"`, as
+#   ik_llama.cpp did until {cite:p}`ikllama1815`).
+#
+# Each runs at `n_draft=2` (the first draft) and `n_draft=3` (the second draft, proposed when the first was
+# accepted); the last option touches only the second.
+
+# %% mystnb={"figure": {"caption": "Acceptance of the first draft (n_draft 2) and of the second (n_draft 3) with each engine's choice, on the same prompts: {glue:text}`ch_default_first:.2f` and {glue:text}`ch_default_second:.2f` with the head's cache kept and post-norm inputs, {glue:text}`ch_reset_first:.2f` and {glue:text}`ch_reset_second:.2f` with its cache reset every step, {glue:text}`ch_pre_first:.2f` and {glue:text}`ch_pre_second:.2f` fed the pre-norm trunk state, {glue:text}`ch_chain_second:.2f` for the second draft chained on the head's pre-norm output.", "name": "fig-engine-choices"}}
+WIDTHS = (2, 3)
+choices = {
+    label: {
+        n: evaluate.acceptance(
+            model, prompts, n_draft=n, max_tokens=MAX_TOKENS, **options
+        )
+        for n in WIDTHS
+    }
+    for label, options in evaluate.ENGINE_CHOICES.items()
+}
+first = {label: c[2]["rate"] for label, c in choices.items()}
+second = {label: c[3]["per_position"][1] for label, c in choices.items()}
+fig = plots.grouped_bars(
+    [textwrap.fill(label, 13, break_on_hyphens=False) for label in choices],
+    {
+        "first draft (n_draft=2)": list(first.values()),
+        "second draft (n_draft=3)": list(second.values()),
+    },
+    "acceptance",
+    xlabel="drafting as run",
+)
+names = dict(zip(["default", "reset", "pre", "lemon", "chain"], choices))
+for short, label in names.items():
+    glue(f"ch_{short}_first", first[label], display=False)
+    glue(f"ch_{short}_second", second[label], display=False)
+
+# %% [markdown]
+# Emptying the head's cache every step takes its first draft from {glue:text}`ch_default_first:.2f` to
+# {glue:text}`ch_reset_first:.2f`: {glue:text}`reset_verdict`. Chaining the second draft on the head's output
+# before its final norm gives {glue:text}`ch_chain_second:.2f` against {glue:text}`ch_default_second:.2f`,
+# {glue:text}`chain_verdict`; on the real Qwen3.6-35B-A3B the same mistake made every draft beyond the first
+# lose speed in ik_llama.cpp {cite:p}`ikllama1815`.
+#
+# **Which state the real head expects.** The reference implementations feed the head the trunk's state after
+# its final norm, the tensor lm_head scores (vLLM {cite:p}`vllmmtp`; mlx-vlm {cite:p}`mlxvlm`), and the paired
+# measurements published on this family favour it: llama.cpp's acceptance on Qwen3.6 rose when it switched to
+# the post-norm state {cite:p}`llamacpp24025`, and LightLLM's accept length on Qwen3.5-0.8B went from 1.80 to 2.74
+# {cite:p}`lightllm1402`. Others feed the pre-norm state (lemon-mlx-engine; vllm-mlx since {cite:p}`vllmmlx660`,
+# which argues from the head's own input norm and reports no measurement). This book feeds the post-norm state.
+# The tiny model cannot settle it: {glue:text}`prepost_verdict`. The head normalises what it is fed, and the
+# final norm is an RMSNorm, so pre- and post-norm inputs differ only through the final norm's weight of each
+# channel: on the tiny model those weights spread by {glue:text}`norm_spread:.2f` (standard deviation over
+# mean magnitude) and the head's two inputs have a cosine of {glue:text}`prepost_cosine:.3f` on average
+# (lowest {glue:text}`prepost_cosine_min:.3f`). How far apart they are on the real model, and what that costs,
+# needs its weights.
+#
+# **lemon-mlx-engine on this model, published elsewhere.** lemon-mlx-engine, which resets the head's cache and
+# feeds it the pre-norm state, was run on this book's bundled model outside this build; the figures below are
+# that report's {cite:p}`qmtplemon2026`, not measurements of this build. It ran the bundled model's 8-bit
+# conversion with its own code, so quantization differs from the float model measured above, where the same
+# two choices together give {glue:text}`ch_lemon_first:.2f`.
+
+# %%
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "engine (published elsewhere, not measured here)": r["engine"],
+                    "n_draft": r["n_draft"],
+                    "acceptance": "{:.2f} to {:.2f}".format(*r["acceptance"]),
+                    "source": f"{{cite:p}}`{r['source']}`",
+                }
+                for r in published.ELSEWHERE_ON_BUNDLED
+            ],
+            [
+                "engine (published elsewhere, not measured here)",
+                "n_draft",
+                "acceptance",
+                "source",
+            ],
+        )
+    )
+)
+agreement = evaluate.head_input_agreement(model, prompts[:4])
+label_pre = names["pre"]
+gap = abs(first[label_pre] - first[names["default"]])
+drafted = choices[names["default"]][2]["drafted"][0]
+p = first[names["default"]]
+noise = 2 * math.sqrt(p * (1 - p) / drafted) if drafted else float("nan")
+glue("prepost_cosine", agreement["cosine"], display=False)
+glue("prepost_cosine_min", agreement["cosine_min"], display=False)
+glue("norm_spread", agreement["norm_weight_spread"], display=False)
+glue(
+    "prepost_verdict",
+    (
+        f"fed either state, its first draft is accepted within {gap:.2f} of the other, "
+        f"inside twice the sampling error of a rate over {drafted} drafts "
+        f"({noise:.2f})"
+        if gap <= noise
+        else f"its first draft is accepted {first[names['default']]:.2f} with the "
+        f"post-norm state and {first[label_pre]:.2f} with the pre-norm one, a gap "
+        f"beyond twice the sampling error ({noise:.2f}), but this head was trained on "
+        f"one of the two, so the gap measures its training, not the release's"
+    ),
+    display=False,
+)
+drafted2 = choices[names["default"]][3]["drafted"][1]
+p2 = second[names["default"]]
+noise2 = 2 * math.sqrt(p2 * (1 - p2) / drafted2) if drafted2 else float("nan")
+chain_gap = abs(second[names["chain"]] - p2)
+glue(
+    "chain_verdict",
+    (
+        f"within twice the sampling error of the second draft's rate ({noise2:.2f}): "
+        "the tiny model cannot tell the two apart"
+        if chain_gap <= noise2
+        else f"a gap beyond twice the sampling error ({noise2:.2f})"
+    ),
+    display=False,
+)
+reset_gap = first[names["default"]] - first[names["reset"]]
+glue(
+    "reset_verdict",
+    (
+        f"a loss of {reset_gap:.2f}, beyond twice the sampling error ({noise:.2f}): "
+        "the head's attention over the text before is worth that much here"
+        if reset_gap > noise
+        else f"within twice the sampling error ({noise:.2f}): the tiny head draws "
+        "little from its attention over the text before"
+    ),
+    display=False,
+)
+
+# %% [markdown]
+# ## Acceptance under sampling
+#
+# % No $...$ on this page: MathJax beside the explorer's widget manager throws (MathJax.Hub is v2's API).
+#
+# With `temperature` above 0 a draft is sampled from the head's distribution q and kept with probability
+# min(1, p/q), p the trunk's (rejection sampling: the tokens keep exactly the trunk's distribution), so a
+# draft can be kept without being the trunk's top choice, and rejected although it is. The same prompts at the
+# temperatures the model card recommends, 0.6 (precise coding) and 1.0 (thinking) {cite:p}`qwen2026qwen36`,
+# beside greedy decoding (`generate(..., temperature=T, seed=0)`):
+
+# %%
+TEMPERATURES = (0.6, 1.0)
+sampled = {0.0: {2: by_n[2], 3: by_n[3]}}
+for T in TEMPERATURES:
+    sampled[T] = {
+        n: evaluate.acceptance(
+            model, prompts, n_draft=n, max_tokens=MAX_TOKENS, temperature=T, seed=0
+        )
+        for n in WIDTHS
+    }
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "temperature": "greedy" if T == 0 else T,
+                    "first draft (n_draft=2)": r[2]["rate"],
+                    "second draft (n_draft=3)": r[3]["per_position"][1],
+                    "tokens/pass at n_draft=3": r[3]["tokens_per_trunk_pass"],
+                }
+                for T, r in sampled.items()
+            ],
+            [
+                "temperature",
+                "first draft (n_draft=2)",
+                "second draft (n_draft=3)",
+                "tokens/pass at n_draft=3",
+            ],
+            {
+                "first draft (n_draft=2)": "{:.2f}",
+                "second draft (n_draft=3)": "{:.2f}",
+                "tokens/pass at n_draft=3": "{:.2f}",
+            },
+        )
+    )
+)
+for T in TEMPERATURES:
+    glue(f"sample_{T:.1f}_first", sampled[T][2]["rate"], display=False)
+glue(
+    "sampling_verdict",
+    (
+        "falls as the temperature rises"
+        if sampled[0.0][2]["rate"] > sampled[0.6][2]["rate"] > sampled[1.0][2]["rate"]
+        else "does not fall steadily with the temperature on these prompts"
+    ),
+    display=False,
+)
+
+# %% [markdown]
+# The first draft is accepted {glue:text}`acc_n2:.2f` of the time greedily, {glue:text}`sample_0.6_first:.2f`
+# at temperature 0.6 and {glue:text}`sample_1.0_first:.2f` at 1.0: acceptance {glue:text}`sampling_verdict`.
+# Sampled rates depend on the draws: they are single runs with one seed.
+#
 # ## Explorer
 #
 # Move the slider to replay the worked example pass by pass: every pass's text is saved in the page, so
@@ -341,6 +551,14 @@ saved = results.save(
         "lossless_mismatches": mismatches,
         "lossless_checks": len(N_DRAFTS) * len(prompts),
         "machine": machine.describe(),
+        "engine_choices": {
+            label: {"first": first[label], "second": second[label]} for label in choices
+        },
+        "head_input_agreement": agreement,
+        "sampling": {
+            str(T): {"first": r[2]["rate"], "second": r[3]["per_position"][1]}
+            for T, r in sampled.items()
+        },
         "previous_head": (
             None
             if compared is None

@@ -41,6 +41,7 @@ CHAPTERS = (
     "04_quantizing",
     "05_mtp_decoding",
     "06_throughput",
+    "07_engine",
 )
 saved = {chapter: results.load(chapter, path) for chapter in CHAPTERS}
 on_tiny = not budget.active(config)
@@ -114,7 +115,7 @@ glue(
 # 2. **What a token reads.** One decoded token of the 4-bit model reads {glue:text}`f_gb_token:.2f` GB,
 #    {glue:text}`f_expert_share:.0%` of it routed experts. {doc}`06_throughput`
 # 3. **Predicted speedup.** On a purely memory-bound machine ({glue:text}`f_bandwidth:.0f` GB/s) with the reported
-#    acceptance, MTP speeds the MoE up {glue:text}`f_moe2:.2f`x at `n_draft=2` and at best
+#    acceptance, a 4-bit trunk and the head in bf16, MTP speeds the MoE up {glue:text}`f_moe2:.2f`x at `n_draft=2` and at best
 #    {glue:text}`f_moe_best:.2f`x (`n_draft` = {glue:text}`f_moe_best_n`), because a verify pass reads the union
 #    of its tokens' experts; a dense model of the same active size would gain up to
 #    {glue:text}`f_dense_best:.2f`x. {doc}`06_throughput`
@@ -197,7 +198,8 @@ best_measured = max(measured, key=measured.get)
 glue("f_meas2", measured["2"], display=False)
 glue("f_meas_best", measured[best_measured], display=False)
 glue("f_meas_best_n", best_measured, display=False)
-vs_mlx_lm = throughput_saved["qmtp_over_mlx_lm"]
+engine = saved["07_engine"]
+vs_mlx_lm = engine["qmtp_over_mlx_lm"]
 glue(
     "f_vs_mlx_lm",
     f"qmtp decodes at {vs_mlx_lm:.2f}x mlx-lm's speed, with the same tokens"
@@ -205,7 +207,8 @@ glue(
     else "qmtp and mlx-lm were not compared in this build",
     display=False,
 )
-glue("f_auto", throughput_saved["auto_over_best_fixed"], display=False)
+glue("f_auto", engine["auto_over_best_fixed"], display=False)
+glue("f_rw_mlx_lm", engine["real_width_qmtp_over_mlx_lm"], display=False)
 rows = {r["pass"]: r for r in throughput_saved["real_width"]["rows"]}
 glue("f_rw_layers", throughput_saved["real_width"]["layers"], display=False)
 glue("f_rw_plain_ms", rows["plain, 1 token"]["seconds"] * 1e3, display=False)
@@ -226,17 +229,19 @@ glue(
 # %% [markdown]
 # 10. **The chapters' model, measured.** Drafting runs at {glue:text}`f_meas2:.2f`x plain decoding at `n_draft=2`, at best
 #     {glue:text}`f_meas_best:.2f`x (`n_draft` = {glue:text}`f_meas_best_n`); `n_draft="auto"` reaches
-#     {glue:text}`f_auto:.2f`x the best fixed width; {glue:text}`f_vs_mlx_lm`. {doc}`06_throughput`
+#     {glue:text}`f_auto:.2f`x the best fixed width; {glue:text}`f_vs_mlx_lm`. {doc}`06_throughput`,
+#     {doc}`07_engine`
 # 11. **Real widths, measured.** A plain pass through {glue:text}`f_rw_layers` real-width layers takes
 #     {glue:text}`f_rw_plain_ms:.0f` ms; a verify pass over two tokens {glue:text}`f_rw_v2_time:.2f`x as long
 #     while reading {glue:text}`f_rw_v2_bytes:.2f`x the bytes: this CPU's quantized kernels are compute-bound, a
-#     step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`.
-#     {doc}`06_throughput`
+#     step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`. At
+#     these widths qmtp decodes at {glue:text}`f_rw_mlx_lm:.2f`x mlx-lm's speed: both wait on MLX's CPU
+#     quantized product. {doc}`06_throughput`, {doc}`07_engine`
 #
 # ## Published elsewhere
 #
 # *Measured by others, on real hardware and the real model (or its Qwen3.5 sibling), with their own engines; read
-# at their sources and never re-measured here ({doc}`07_claims` sets each beside the cost model).*
+# at their sources and never re-measured here ({doc}`08_claims` sets each beside the cost model).*
 
 # %% tags=["hide-input"]
 speedups = [row.speedup for row in published.FIELD]
@@ -250,7 +255,7 @@ glue("f_pub_slower", sum(s < 1 for s in speedups), display=False)
 # %% [markdown]
 # 12. **Published speedups.** {glue:text}`f_pub_runs` published runs of MTP on this model family, one request at
 #     a time, went from {glue:text}`f_pub_low:.2f`x to {glue:text}`f_pub_high:.2f`x plain decoding
-#     ({glue:text}`f_pub_slower` of them slower than plain), on {glue:text}`f_pub_hardware`. {doc}`07_claims`
+#     ({glue:text}`f_pub_slower` of them slower than plain), on {glue:text}`f_pub_hardware`. {doc}`08_claims`
 #
 # ## What only the real weights or an accelerator can settle
 #

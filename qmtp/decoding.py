@@ -88,9 +88,21 @@ def keep_prefix(model, recorded_layers: list, keep: mx.array) -> list:
 def head_step(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.array):
     """The head over (trunk or head states [1, T, H], the tokens after them [1, T]) at head positions at..:
     (its post-norm states [1, T, H], its new KV buffers)."""
+    _, post, buffers = head_states(model, head, hidden, tokens, buffers, at)
+    return post, buffers
+
+
+def head_states(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.array):
+    """`head_step` with the head's output before its own final norm too: (pre-norm states, post-norm
+    states, its new KV buffers). A chained draft is fed one of the two (`draft`'s `chain`)."""
     z = head.combine(hidden, model.embed(tokens))
     z, buffers, _, _ = head.layers[0].step(z, buffers, at)
-    return head.norm(z), buffers
+    return z, head.norm(z), buffers
+
+
+# The engines' choices that `draft` can make, as options (chapter 5 measures what each costs):
+HEAD_CACHES = ("keep", "reset")  # the head's KV cache kept across steps, or emptied at every step
+CHAINS = ("post", "pre")  # a chained draft fed the head's output after its own final norm, or before it
 
 
 # ---- acceptance: greedy, or rejection sampling ------------------------------------------------------------
@@ -156,19 +168,35 @@ class Rejection:
 
 
 # ---- one step: draft, verify, accept, roll back -----------------------------------------------------------
-def draft(model, head, k: int, strategy, state: dict, last, key):
+def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str = "keep",
+          chain: str = "post"):
     """k drafts [1, k] from the head, their distributions, and the head's new buffers
     and offset.
 
     The head first reads the positions of the last pass (trunk state h_j with the token
     after it) of which the first `keep` are valid: their entries stay in its cache. Its
     output at the last valid one drafts d_1; each further draft feeds the head its own
-    output and the draft before."""
+    output and the draft before.
+
+    head_cache="reset" empties the head's cache at every step, as lemon-mlx-engine does:
+    the head reads only the position it drafts from (and its own chained drafts), so its
+    attention sees none of the text before. chain="pre" feeds a chained draft the head's
+    output before its own final norm (ik_llama.cpp before its PR 1815), "post" after it
+    (vLLM, SGLang). Both change the drafts only: verification keeps the output exact."""
     hidden, next_tokens, keep = last
-    z, buffers = head_step(model, head, hidden, next_tokens, state["head"],
-                           state["head_offset"])
-    z = mx.take(z, (keep - 1).reshape(1), axis=1)
+    last_kept = (keep - 1).reshape(1)
     offset = state["head_offset"] + keep
+    if head_cache == "reset":
+        buffers = head.layers[0].empty_state(1, k, model.dtype)
+        z_pre, z, buffers = head_states(
+            model, head, mx.take(hidden, last_kept, axis=1),
+            mx.take(next_tokens, last_kept, axis=1), buffers, mx.array(0, mx.int32))
+        at = mx.array(1, mx.int32)  # chained drafts follow in the emptied cache
+    else:
+        z_pre, z, buffers = head_states(model, head, hidden, next_tokens, state["head"],
+                                        state["head_offset"])
+        z_pre, z = (mx.take(s, last_kept, axis=1) for s in (z_pre, z))
+        at = offset
     drafts, dists, finite = [], [], []
     keys = mx.random.split(key, k) if strategy.random else [key] * k
     for i, draft_key in enumerate(keys):
@@ -180,8 +208,12 @@ def draft(model, head, k: int, strategy, state: dict, last, key):
         # entries past `offset` are the head's own guesses: the next step overwrites
         # them
         if i + 1 < k:
-            z, buffers = head_step(model, head, z, d.reshape(1, 1), buffers, offset + i)
+            fed = z if chain == "post" else z_pre
+            z_pre, z, buffers = head_states(model, head, fed, d.reshape(1, 1), buffers,
+                                            at + i)
     drafts = mx.concatenate(drafts).reshape(1, k)
+    if head_cache == "reset":  # the kept cache is left as it was: nothing reads it
+        buffers = state["head"]
     return drafts, dists, mx.concatenate(finite), buffers, offset
 
 
@@ -197,7 +229,7 @@ def roll_back(model, layers: list, keep: mx.array, record: bool) -> list:
 
 
 def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last,
-         key):
+         key, head_cache: str = "keep", chain: str = "post"):
     """One trunk pass and the drafts it checks: (new state, what the next step needs,
     the report [pending, d_1..d_k, next, keep, finite, draft_finite_1..k] as int32,
     experts per layer, new key).
@@ -216,7 +248,7 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     new_state = {}
     if k:
         drafts, dists, drafts_finite, head_buffers, head_offset = draft(
-            model, head, k, strategy, state, last, draft_key)
+            model, head, k, strategy, state, last, draft_key, head_cache, chain)
         new_state["head"], new_state["head_offset"] = head_buffers, head_offset
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:

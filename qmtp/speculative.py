@@ -304,6 +304,8 @@ def generate(
     seed: int = 0,
     head=None,
     hidden: str = "post",
+    head_cache: str = "keep",
+    chain: str = "post",
     rollback: str = "record",
     track_experts: bool = True,
     stop_at_eos: bool = True,
@@ -330,6 +332,10 @@ def generate(
         head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); default model.mtp.
         hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
             the state before it.
+        head_cache: "keep" keeps the head's KV cache across steps (vLLM, SGLang); "reset" empties it at
+            every step (lemon-mlx-engine), so the head attends only to the position it drafts from.
+        chain: "post" feeds a chained draft (n_draft >= 3) the head's own output after its final norm;
+            "pre" before it. All three change the drafts only: the tokens stay exactly the trunk's.
         rollback: "record" keeps each position's linear-attention state during verification; "replay"
             runs the accepted tokens again from the state before the pass.
         timer: a `PhaseTimer` to add the decoding loop's phases to (profiling).
@@ -359,6 +365,10 @@ def generate(
                          f"{type(head).__name__}")
     if hidden not in ("post", "pre"):
         raise UsageError(f"hidden={hidden!r}: use 'post' (after the final norm) or 'pre'")
+    if head_cache not in decoding.HEAD_CACHES:
+        raise UsageError(f"head_cache={head_cache!r}: use 'keep' or 'reset'")
+    if chain not in decoding.CHAINS:
+        raise UsageError(f"chain={chain!r}: use 'post' (after the head's final norm) or 'pre'")
     if rollback not in ("record", "replay"):
         raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
     drafter = head if head is not None else model.mtp
@@ -373,7 +383,8 @@ def generate(
     planner = None
     if n_draft == "auto":
         started = time.perf_counter()
-        costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens)
+        costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens,
+                           drafting=(head_cache, chain))
         stats.calibration_seconds = time.perf_counter() - started
         # the acceptance counted by the last generation with this drafter is where this one starts
         carried = model.__dict__.setdefault("_draft_counts", {})
@@ -383,7 +394,7 @@ def generate(
     out: list[int] = []
     started = time.perf_counter()
     steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
-                         timer or _untimed, compiled, queue_ahead)
+                         timer or _untimed, compiled, queue_ahead, drafting=(head_cache, chain))
     streamed = 0
 
     def stream():
@@ -466,7 +477,8 @@ def _output(tokens: list[int], max_tokens: int, eos) -> list[int]:
 
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
-                 max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True):
+                 max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True,
+                 drafting=("keep", "post")):
     """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
     for each pass, until `max_tokens` tokens or an end id (`eos`: None, one id or a set of them) are out.
     `n_draft`: a width, or a `DraftPlanner` that chooses each step's.
@@ -493,7 +505,8 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
         with timer("build"):
-            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled)(state, last, key)
+            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled, drafting)(
+                state, last, key)
             mx.async_eval(step[2])
         return n, step
 
@@ -576,14 +589,17 @@ def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_dr
     return {**state, "layers": layers}, (h, last[1], last[2])
 
 
-def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True):
-    """`decoding.step` for this model, drafter and settings, compiled once and kept with the model (the
-    weights are implicit inputs, read at every call)."""
+def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True,
+                   drafting=("keep", "post")):
+    """`decoding.step` for this model, drafter and settings (`drafting`: the head's cache and chain options),
+    compiled once and kept with the model (the weights are implicit inputs, read at every call)."""
     steps = model.__dict__.setdefault("_decode_steps", {})
-    key = (id(head) if k else None, k, strategy.key, hidden, record, compiled)
+    drafting = tuple(drafting) if k else None
+    key = (id(head) if k else None, k, strategy.key, hidden, record, compiled, drafting)
     if key not in steps:
         def run(state, last, rng):
-            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng)
+            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng,
+                                 *(drafting or ()))
 
         if COMPILE and compiled:
             implicit = [model.state] + ([head.state] if k and head is not model.mtp else [])
@@ -594,18 +610,18 @@ def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bo
 
 
 def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_tokens: list[int],
-               max_tokens: int, widths=adaptive.WIDTHS) -> dict[int, float]:
+               max_tokens: int, widths=adaptive.WIDTHS, drafting=("keep", "post")) -> dict[int, float]:
     """Seconds of one step at each width, timed on the state after the prompt (`adaptive.time_steps`);
     measured once per model, drafter and settings, and kept with the model."""
     record = rollback == "record"
     costs = model.__dict__.setdefault("_step_costs", {})
-    key = (id(head), strategy.key, hidden, record, tuple(widths))
+    key = (id(head), strategy.key, hidden, record, tuple(widths), tuple(drafting))
     if key not in costs:
         widest = max(widths)
         capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
         rng = mx.random.key(0)
         state, (h, after, keep), _ = _prefill(model, head, prompt_tokens, capacity, widest, strategy, hidden, rng)
-        runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record) for n in widths}
+        runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record, True, drafting) for n in widths}
         inputs = {n: (state, (h[:, :n], after[:, :n], keep), rng) for n in widths}
         shard = model.shard
         if shard is None:

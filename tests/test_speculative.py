@@ -296,3 +296,89 @@ def test_time_steps_prices_widths_relative_to_each_other():
     runs = {n: run(4 * n) for n in (1, 2, 4)}
     costs = adaptive.time_steps(runs, {n: (start, None, None) for n in runs}, rounds=(3, 6))
     assert set(costs) == {1, 2, 4} and costs[1] < costs[2] < costs[4]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6, 1.0])
+def test_every_drafting_option_keeps_the_trunks_tokens(small_vocab_model, temperature):
+    """The engines' choices (the head's cache reset each step, its input before the trunk's final norm, chained
+    drafts fed the head's output before its own norm) change the drafts only. Greedy: the tokens are plain
+    greedy's. Sampling draws from another random stream than plain sampling, so there the test is only that every
+    option decodes and drafts (that rejection sampling keeps the trunk's distribution is tested on its own)."""
+    options = [dict(head_cache="reset"), dict(hidden="pre"), dict(chain="pre"),
+               dict(head_cache="reset", hidden="pre", chain="pre")]
+    for prompt in PROMPTS[:2]:
+        plain = qmtp.generate(small_vocab_model, prompt, max_tokens=20, temperature=temperature, seed=3)
+        for opts in options:
+            for n_draft in (2, 4):
+                g = qmtp.generate(small_vocab_model, prompt, max_tokens=20, n_draft=n_draft,
+                                  temperature=temperature, seed=3, **opts)
+                assert sum(g.stats.drafted) > 0
+                if temperature == 0:
+                    assert g.tokens == plain.tokens, (opts, n_draft)
+
+
+def test_a_reset_head_cache_forgets_the_text_and_a_kept_one_does_not(small_vocab_model):
+    """With head_cache="reset" the drafts depend on the last position only: garbage in the head's cache changes
+    nothing. With the cache kept the same garbage changes the head's distribution."""
+    from qmtp import decoding
+
+    model = small_vocab_model
+    state = decoding.empty_state(model, 64, head=True)
+    state["head_offset"] = mx.array(5, mx.int32)
+    noisy = dict(state, head=tuple(mx.random.normal(b.shape, key=mx.random.key(i)) for i, b in
+                                   enumerate(state["head"])))
+    H = model.config.hidden_size
+    last = (mx.random.normal((1, 3, H), key=mx.random.key(7)), mx.array([[1, 2, 3]], mx.int32),
+            mx.array(2, mx.int32))
+    sample = decoding.Rejection(1.0)
+    key = mx.random.key(0)
+
+    def dists(s, cache):
+        return np.array(mx.stack(decoding.draft(model, model.mtp, 2, sample, s, last, key, cache)[1]))
+
+    reset = np.abs(dists(state, "reset") - dists(noisy, "reset")).max()
+    kept = np.abs(dists(state, "keep") - dists(noisy, "keep")).max()
+    assert reset < 1e-6 < 1e-3 < kept, (reset, kept)
+
+
+def test_the_chain_option_changes_only_the_drafts_after_the_first(small_vocab_model):
+    from qmtp import decoding
+
+    model = small_vocab_model
+    state = decoding.empty_state(model, 64, head=True)
+    H = model.config.hidden_size
+    last = (mx.random.normal((1, 2, H), key=mx.random.key(1)), mx.array([[1, 2]], mx.int32),
+            mx.array(2, mx.int32))
+    sample, key = decoding.Rejection(1.0), mx.random.key(0)
+    post = decoding.draft(model, model.mtp, 3, sample, state, last, key, "keep", "post")[1]
+    pre = decoding.draft(model, model.mtp, 3, sample, state, last, key, "keep", "pre")[1]
+    first = np.abs(np.array(post[0]) - np.array(pre[0])).max()
+    second = np.abs(np.array(post[1]) - np.array(pre[1])).max()
+    assert first < 1e-6 < 1e-3 < second, (first, second)  # the first draft reads the trunk's state
+
+
+def test_drafting_options_are_checked(small_vocab_model):
+    from qmtp.errors import UsageError
+
+    with pytest.raises(UsageError, match="head_cache"):
+        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=2, head_cache="none")
+    with pytest.raises(UsageError, match="chain"):
+        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=3, chain="raw")
+
+
+def test_pre_and_post_norm_inputs_differ_only_through_the_final_norms_weights(small_vocab_model):
+    from qmtp.book import evaluate
+
+    model = small_vocab_model
+    measured = evaluate.head_input_agreement(model, PROMPTS[2:4])
+    weight = model.norm.weight
+    try:
+        model.norm.weight = mx.full(weight.shape, 0.7)  # equal weights: the head cannot tell the two apart
+        equal = evaluate.head_input_agreement(model, PROMPTS[2:4])
+        model.norm.weight = mx.random.uniform(0.1, 3.0, weight.shape, key=mx.random.key(0))
+        spread = evaluate.head_input_agreement(model, PROMPTS[2:4])
+    finally:
+        model.norm.weight = weight
+    assert equal["cosine_min"] > 0.9999 and equal["norm_weight_spread"] < 1e-6
+    assert spread["cosine"] < 0.99 and spread["norm_weight_spread"] > 0.3
+    assert -1 <= measured["cosine_min"] <= measured["cosine"] <= 1

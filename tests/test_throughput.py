@@ -16,6 +16,9 @@ from qmtp.book.throughput import (
     Machine,
     expected_tokens_per_pass,
     expected_union,
+    LoopModel,
+    fit_line,
+    fit_loop,
     fit_machine,
     geometric_rates,
     head_step_bytes,
@@ -260,3 +263,29 @@ def test_spreading_the_experts_shrinks_the_verify_pass_more_than_the_plain_one()
             for N in (1, 4)}
     # what each extra verified token costs over a plain pass falls when each machine reads 1/N of the union
     assert cost[4][1] - cost[4][0] < (cost[1][1] - cost[1][0]) / 2
+# ---- the loop model: a step priced by its tokens ------------------------------------------------------------
+def test_fit_line_keeps_a_negative_intercept():
+    """Where time grows faster than bytes the line crosses zero bytes below zero: fit_machine clamps that
+    overhead at 0, fit_line reports it (the reason a bytes model underpredicts the long passes)."""
+    bytes_, seconds = [1e6, 2e6, 3e6], [0.5e-3, 1.9e-3, 3.1e-3]
+    intercept, slope = fit_line(bytes_, seconds)
+    assert intercept == pytest.approx(-0.7667e-3, rel=1e-3) and slope == pytest.approx(1.3e-9)
+    assert fit_machine(bytes_, seconds).overhead == 0
+    with pytest.raises(ValueError):
+        fit_line([1.0, 1.0], [1.0, 2.0])
+
+
+def test_fit_loop_recovers_a_known_loop_and_prices_plain_decoding_exactly():
+    truth = LoopModel(loop_overhead=2e-3, pass_fixed=1e-3, pass_per_token=0.5e-3, head_per_draft=0.3e-3)
+    widths = [2, 3, 4, 5]
+    fitted = fit_loop(widths, [truth.pass_seconds(n) for n in widths], [0.3e-3] * 4, truth.step_seconds(1))
+    for field in ("loop_overhead", "pass_fixed", "pass_per_token", "head_per_draft"):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field))
+    assert fitted.speedup(1.0, 1) == pytest.approx(1.0)
+    # the loop's cost per step is paid once per step, so it is shared by the tokens a step yields
+    assert fitted.speedup(2.0, 2) == pytest.approx(2.0 * 3.5e-3 / (2e-3 + 2e-3 + 0.3e-3))
+
+
+def test_a_loop_dominated_by_its_own_cost_gains_almost_tau():
+    loop = LoopModel(loop_overhead=1.0, pass_fixed=1e-4, pass_per_token=1e-4, head_per_draft=1e-4)
+    assert 2.9 < loop.speedup(3.0, 4) < 3.0

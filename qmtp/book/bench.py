@@ -40,6 +40,47 @@ def mlx_lm_model(path, dtype=None):
     return model
 
 
+def mlx_lm_twin(model: Model):
+    """mlx-lm's own qwen3_5_moe model holding this qmtp model's arrays (shared, not copied): the same weights,
+    quantized the same way, run by mlx-lm's code. For a model that exists only in memory (`real_width_model`),
+    which mlx-lm cannot load from a folder. The two modules name their tensors alike (the release's names after
+    both fixes) but for the routed experts, `experts` here and `switch_mlp` in mlx-lm; the head is left out
+    (mlx-lm has none)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_5_moe
+
+    twin = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(model.config.to_released_dict()))
+    ours = dict(tree_flatten(model.parameters()))
+
+    def theirs(name: str) -> str:
+        name = name.replace(".mlp.experts.", ".mlp.switch_mlp.")
+        return f"language_model.{name}" if name.startswith("lm_head.") else f"language_model.model.{name}"
+
+    quantized = {name.rpartition(".")[0]: ours[name] for name in ours if name.endswith(".scales")}
+
+    def same_width(path, module):
+        ours_path = path.removeprefix("language_model.").removeprefix("model.").replace(".switch_mlp.",
+                                                                                       ".experts.")
+        scales = quantized.get(ours_path)
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        codes = ours[f"{ours_path}.weight"]
+        bits = codes.shape[-1] * 32 // (scales.shape[-1] * 64)
+        return {"group_size": 64, "bits": bits, "mode": "affine"}
+
+    nn.quantize(twin, class_predicate=same_width)
+    wanted = dict(tree_flatten(twin.parameters()))
+    weights = [(theirs(n), w) for n, w in ours.items() if not n.startswith("mtp.")]
+    missing = set(wanted) - {n for n, _ in weights}
+    wrong = [n for n, w in weights if n not in wanted or wanted[n].shape != w.shape]
+    if missing or wrong:
+        raise ValueError(f"mlx-lm's model does not match: missing {sorted(missing)[:3]}, unmatched {wrong[:3]}")
+    twin.update(tree_unflatten(weights))
+    twin.eval()
+    return twin
+
+
 def _qmtp_decode(model: Model, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     from ..speculative import generate
 
@@ -285,8 +326,8 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     the phases of the decoding loop (`speculative.PhaseTimer`), the distinct experts each verify pass read
     per layer (measured, and the independent-routing formula), the seconds of a verify pass and of a head
     draft step (`pass_costs`), and the ideal speedup: tokens per pass / (1 + head share), what drafting
-    would give if a verify pass cost what a plain pass costs. "cost_model" fits `throughput.Machine` to the
-    verify passes. `peer`: a `qmtp.book.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
+    would give if a verify pass cost what a plain pass costs. "cost_model" prices each step from the passes
+    (`_fit_and_predict`). `peer`: a `qmtp.book.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
     n_draft="auto" in the same rounds too, reported against the best fixed n_draft ("auto" in the report).
     `ablate`: n_drafts at which the loop also runs without queueing ahead and without compiling (ABLATIONS),
     in the same rounds ("ablation": tok/s, and over the lean loop).
@@ -453,12 +494,16 @@ def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list
 
 
 def _fit_and_predict(model: Model, in_memory, results: list[dict], context: float, cache_bytes: int) -> dict | None:
-    """Fit overhead + bytes/bandwidth to the measured verify passes (n_draft >= 2) and the head's draft steps;
-    price each speculative step with it and predict its speedup over the measured plain decoding.
+    """Price each speculative step and predict its speedup over the measured plain decoding, two ways.
 
-    Plain decoding is fitted apart (it is not on the line): it queues each pass before reading the previous
-    token, so its passes overlap, which a cost model of passes one after another cannot see;
-    "plain_overlap" is the ratio of the fitted to the measured plain pass.
+    The bytes model (`throughput.fit_machine`: overhead + bytes / bandwidth, fitted to the verify passes and
+    head steps timed alone) is what a memory-bound machine follows; "bytes_intercept" is where the unclamped
+    line of time against bytes crosses zero bytes: below zero, time grows faster than bytes and the bytes model
+    (its overhead clamped at 0) cannot fit. The loop model (`throughput.fit_loop`: a line in the pass's tokens,
+    the mean head draft, and the loop's own cost per step taken from plain decoding) is what a dispatch-bound
+    machine follows; its prediction is "predicted_speedup". Each prediction carries the step measured two ways:
+    its passes timed alone ("measured_step_seconds") and its step in the loop, tokens per pass over tokens per
+    second ("loop_step_seconds"), whose difference is the loop's own cost.
     """
     verify = [r for r in results if r["n_draft"] > 1]
     plain = next((r for r in results if r["n_draft"] == 1), None)
@@ -470,24 +515,46 @@ def _fit_and_predict(model: Model, in_memory, results: list[dict], context: floa
             [r["head_bytes_per_draft"] for r in verify], [r["head_seconds_per_draft"] for r in verify],
         )
     except ValueError:
-        return None
+        machine = None
+    intercept, _ = throughput.fit_line([r["trunk_bytes_per_pass"] for r in verify],
+                                       [r["trunk_seconds_per_pass"] for r in verify])
+    loop = throughput.fit_loop([r["n_draft"] for r in verify], [r["trunk_seconds_per_pass"] for r in verify],
+                               [r["head_seconds_per_draft"] for r in verify], 1.0 / plain["tokens_per_second"])
     plain_seconds = plain["trunk_seconds_per_pass"]
     predictions = []
     for r in results:
         n = r["n_draft"]
         rates = [a or 0.0 for a in r["acceptance_per_position"]]
-        p = throughput.predicted_speedup(model.config, in_memory, rates, n, machine, int(context),
-                                         union=r["experts_per_layer_measured"], cache_bytes=cache_bytes)
-        step = plain_seconds if n == 1 else p.step_seconds
-        measured_step = r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"]
-        predictions.append({"n_draft": n, "tokens_per_pass": p.tokens_per_pass,
-                            "predicted_step_seconds": step, "measured_step_seconds": measured_step,
-                            "predicted_speedup": p.tokens_per_pass * plain_seconds / step,
-                            "measured_speedup": r["speedup_vs_plain"]})
-    fitted_plain = machine.seconds(plain["trunk_bytes_per_pass"])
-    return {"bandwidth": machine.bandwidth, "overhead": machine.overhead, "head_overhead": machine.head_overhead,
-            "plain_seconds_measured": plain_seconds, "plain_seconds_fitted": fitted_plain,
-            "plain_overlap": fitted_plain / plain_seconds, "predictions": predictions}
+        tau = adaptive_tau(rates, n)
+        by_bytes = float("nan")
+        if machine is not None:
+            p = throughput.predicted_speedup(model.config, in_memory, rates, n, machine, int(context),
+                                             union=r["experts_per_layer_measured"], cache_bytes=cache_bytes)
+            by_bytes = p.tokens_per_pass * plain_seconds / (plain_seconds if n == 1 else p.step_seconds)
+        predictions.append({
+            "n_draft": n, "tokens_per_pass": tau,
+            "predicted_step_seconds": loop.step_seconds(n),
+            "predicted_pass_seconds": loop.pass_seconds(n),
+            "measured_step_seconds": r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"],
+            "loop_step_seconds": r["tokens_per_trunk_pass"] / r["tokens_per_second"],
+            "predicted_speedup": loop.speedup(tau, n),
+            "bytes_model_speedup": by_bytes,
+            "measured_speedup": r["speedup_vs_plain"],
+        })
+    return {"bandwidth": machine.bandwidth if machine else float("nan"),
+            "overhead": machine.overhead if machine else float("nan"),
+            "head_overhead": machine.head_overhead if machine else float("nan"),
+            "bytes_intercept": intercept, "loop_overhead": loop.loop_overhead, "pass_fixed": loop.pass_fixed,
+            "pass_per_token": loop.pass_per_token, "head_per_draft": loop.head_per_draft,
+            "plain_seconds_measured": plain_seconds, "plain_loop_seconds": 1.0 / plain["tokens_per_second"],
+            "predictions": predictions}
+
+
+def adaptive_tau(rates, n_draft: int) -> float:
+    """Expected tokens per pass at `n_draft` from per-position rates (`adaptive.expected_tokens_per_pass`)."""
+    from ..adaptive import expected_tokens_per_pass
+
+    return expected_tokens_per_pass(list(rates)[: n_draft - 1])
 
 
 def mtp_table(report: dict) -> str:
@@ -517,8 +584,10 @@ def mtp_table(report: dict) -> str:
         lines.append(f"  n_draft={r['n_draft']}: {per_layer}   ({r['experts_per_layer_independent']:.1f})")
     cost = report.get("cost_model")
     if cost:
-        lines.append(f"cost model fitted to the verify passes: {cost['overhead'] * 1e3:.2f} ms per pass + bytes at "
-                     f"{cost['bandwidth'] / 1e9:.2f} GB/s (effective); head step overhead {cost['head_overhead'] * 1e3:.2f} ms")
+        lines.append(f"cost model, the loop: {cost['loop_overhead'] * 1e3:.2f} ms per step in the loop + "
+                     f"{cost['pass_fixed'] * 1e3:.2f} ms per pass + {cost['pass_per_token'] * 1e3:.2f} ms per token "
+                     f"+ {cost['head_per_draft'] * 1e3:.2f} ms per head draft (\"predicted\"); time against bytes "
+                     f"crosses zero bytes at {cost['bytes_intercept'] * 1e3:.2f} ms")
     auto = report.get("auto")
     if auto:
         shares = ", ".join(f"{n}: {share:.0%}" for n, share in auto["width_share"].items())

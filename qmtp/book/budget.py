@@ -48,7 +48,8 @@ DECODE = {"prompts": 1, "max_tokens": 16, "n_drafts": (2, 3), "ablations": ("com
                                                                            "no routed experts",
                                                                            "head weights 4-bit",
                                                                            "pre-norm hidden state")}
-BENCH = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4, 5), "ablate": (1, 4), "pass_budget_s": 2.0}
+BENCH = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4, 5), "pass_budget_s": 2.0}  # chapter 6
+ENGINE = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4), "ablate": (1, 4)}  # chapter 7
 
 
 def active(config: ModelConfig) -> bool:
@@ -168,13 +169,20 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
     # a step at n_draft n costs one pass and n - 1 head drafts, and yields up to n tokens (priced at one per step)
     from ..tiny.corpus import REGISTERS
 
-    n_runs = 2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
+    from .evaluate import ENGINE_CHOICES
+
+    # ... and the engines' choices and two sampling temperatures, each at n_draft 2 and 3
+    n_runs = (2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
+              + 2 * len(ENGINE_CHOICES) + 2 * 2)
     ch5_seconds = n_runs * decode_tokens * (full_pass + draft)
-    # each width, auto, and the loop ablations (eager and not queued ahead, at each of BENCH["ablate"])
-    bench_runs = (len(BENCH["n_drafts"]) + 1 + 2 * len(BENCH["ablate"])) * BENCH["repeats"]
-    # each of the 4 real-width passes: warm-up and timed calls, at least 6 and about 1.5 budgets
+    # chapter 6: each width; each of the 4 real-width passes: warm-up and timed calls, at least 6 and about 1.5
+    # budgets
+    bench_runs = len(BENCH["n_drafts"]) * BENCH["repeats"]
     timing = 4 * max(6 * full_pass, 1.5 * BENCH["pass_budget_s"])
     ch6_seconds = bench_runs * BENCH["max_tokens"] * (full_pass + draft) + timing
+    # chapter 7: each width, auto, and the loop ablations (eager and not queued ahead, at each of ENGINE["ablate"])
+    engine_runs = (len(ENGINE["n_drafts"]) + 1 + 2 * len(ENGINE["ablate"])) * ENGINE["repeats"]
+    ch7_seconds = engine_runs * ENGINE["max_tokens"] * (full_pass + draft)
     rows = [
         {"chapter": "1. Anatomy", "at full size": "reads the headers only", "memory GiB": 0.0, "disk GB": 0.0,
          "minutes": 0.0},
@@ -199,11 +207,16 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
                                                        f"{', '.join(map(str, DECODE['n_drafts']))}, "
                                                        f"{len(DECODE['ablations']) - 1} ablations",
          "memory GiB": full_gib, "disk GB": 0.0, "minutes": minutes(converted, ch5_seconds)},
-        {"chapter": "6. Throughput", "at full size": f"the {BITS}-bit model, {BENCH['max_tokens']} tokens, n_draft "
-                                                     f"{BENCH['n_drafts'][0]}-{BENCH['n_drafts'][-1]}, one repeat; "
-                                                     f"mlx-lm not loaded",
+        {"chapter": "6. Does MTP pay?", "at full size": f"the {BITS}-bit model, {BENCH['max_tokens']} tokens, "
+                                                       f"n_draft {BENCH['n_drafts'][0]}-{BENCH['n_drafts'][-1]}, "
+                                                       f"one repeat; its own passes timed",
          "memory GiB": full_gib, "disk GB": 0.0, "minutes": minutes(converted, ch6_seconds)},
-        {"chapter": "7. Claims", "at full size": "reads what chapters 1-6 saved", "memory GiB": 0.0, "disk GB": 0.0,
+        {"chapter": "7. The engine", "at full size": f"the {BITS}-bit model, {ENGINE['max_tokens']} tokens, "
+                                                     f"n_draft {ENGINE['n_drafts'][0]}-{ENGINE['n_drafts'][-1]} "
+                                                     f"and auto, the loop's ablations, one repeat; mlx-lm and "
+                                                     f"mlx-vlm not loaded",
+         "memory GiB": full_gib, "disk GB": 0.0, "minutes": minutes(converted, ch7_seconds)},
+        {"chapter": "8. Claims", "at full size": "reads what chapters 1-7 saved", "memory GiB": 0.0, "disk GB": 0.0,
          "minutes": 0.0},
     ]
     for row in rows:  # the weights held at once, and the runtime around them
@@ -230,7 +243,10 @@ def _plans() -> dict[str, str]:
                            f"with {len(DECODE['ablations']) - 1} ablations",
         "06_throughput": f"chapter 3's {BITS}-bit conversion is benchmarked over {BENCH['max_tokens']} tokens at "
                          f"n_draft {BENCH['n_drafts'][0]} to {BENCH['n_drafts'][-1]}, once each; its own passes are "
-                         f"timed in place of the real-width stand-in; mlx-lm is not loaded",
+                         f"timed in place of the real-width stand-in",
+        "07_engine": f"chapter 3's {BITS}-bit conversion runs the loop's variants over {ENGINE['max_tokens']} tokens, "
+                     f"once each; mlx-lm and mlx-vlm are not loaded (each would hold a second whole model), nor is "
+                     f"the real-width stand-in",
     }
 
 

@@ -2,7 +2,7 @@
 sets each claim beside what the chapters measured.
 
 Only claims live here as typed values. Every measured value comes from a chapter's saved results
-(`qmtp.book.results`); `check` turns them into chapter 7's table, with a verdict computed by the rule stated
+(`qmtp.book.results`); `check` turns them into chapter 8's table, with a verdict computed by the rule stated
 next to each claim: holds, holds in part, does not hold, or not testable here (and why).
 
 One rule decides what can be judged where: a claim about the real model's numbers (acceptance, what a
@@ -68,7 +68,7 @@ CRIPPLED = 0.5  # a head is "crippled" when it keeps less than half the complete
 HEAD_WIDTH_COST = 0.02  # quantizing the head "costs acceptance" when a 4-bit head loses at least 0.02
 GIB = 2**30
 
-# The chapters whose saved results chapter 7 reads, and the chapter (document name) that shows each claim.
+# The chapters whose saved results chapter 8 reads, and the chapter (document name) that shows each claim.
 CHAPTERS = ("01_anatomy", "02_fixes", "04_quantizing", "05_mtp_decoding", "06_throughput")
 NOT_REAL = ("the figure belongs to the real weights: on the bundled model the verdict is not testable here "
             "(set QMTP_MODEL to the real checkpoint)")

@@ -132,6 +132,39 @@ def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tok
     }
 
 
+# The engines' drafting choices, as options of `qmtp.generate` (chapter 5 measures each): label -> options.
+ENGINE_CHOICES = {
+    "qmtp (cache kept, post-norm)": {},
+    "cache reset each step": {"head_cache": "reset"},
+    "pre-norm trunk state": {"hidden": "pre"},
+    "reset + pre-norm (lemon)": {"head_cache": "reset", "hidden": "pre"},
+    "chain on pre-norm head output": {"chain": "pre"},
+}
+
+
+def head_input_agreement(model: Model, prompts: list[list[int]]) -> dict:
+    """How alike the head's input is when it is fed the trunk's state before or after the final norm.
+
+    The head normalises what it is fed (`pre_fc_norm_hidden`, an RMSNorm, blind to scale), and the final norm is
+    an RMSNorm too, so the two inputs differ only through the final norm's weights, one per channel: with equal
+    weights they would be the same. Returns the cosine between the head's normalised input from the pre-norm and
+    from the post-norm state (mean and lowest over every position of `prompts`) and the spread of the final
+    norm's weights (standard deviation over mean magnitude; 0 for equal weights)."""
+    from .. import decoding
+
+    cosines = []
+    for prompt in prompts:
+        state = decoding.empty_state(model, decoding.capacity_for(len(prompt)), head=False)
+        pre, post, _, _ = decoding.trunk_step(model, mx.array([prompt], mx.int32), state, record=False)
+        a = model.mtp.pre_fc_norm_hidden(pre).astype(mx.float32)[0]
+        b = model.mtp.pre_fc_norm_hidden(post).astype(mx.float32)[0]
+        cos = (a * b).sum(-1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
+        cosines += np.array(cos).tolist()
+    w = np.array(model.norm.weight.astype(mx.float32))
+    return {"cosine": float(np.mean(cosines)), "cosine_min": float(np.min(cosines)),
+            "norm_weight_spread": float(w.std() / np.abs(w).mean())}
+
+
 def predicted_acceptance(model: Model, prompt: list[int], generated: list[int]) -> dict:
     """The greedy acceptance at n_draft=2 that teacher forcing predicts for a given greedy generation.
 

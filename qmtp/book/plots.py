@@ -310,8 +310,8 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
 
 
 def measured_vs_predicted(report: dict):
-    """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the cost
-    model's prediction from its fitted overhead and bandwidth (dots), from `qmtp.book.bench.mtp`."""
+    """The tiny model: measured speedup per n_draft (bars, min-max of the rounds as whiskers) beside the loop
+    model's prediction (dots) and the bytes model's (crosses), from `qmtp.book.bench.mtp`'s "cost_model"."""
     results = report["results"]
     predictions = {p["n_draft"]: p for p in report["cost_model"]["predictions"]}
     plain = next(r for r in results if r["n_draft"] == 1)
@@ -321,8 +321,12 @@ def measured_vs_predicted(report: dict):
     high = [r["tokens_per_second_max"] / plain["tokens_per_second"] - m for m, r in zip(measured, results)]
     fig, ax = plt.subplots()
     ax.bar(ns, measured, color=TRUNK, alpha=0.8, yerr=[[max(0, v) for v in low], [max(0, v) for v in high]],
-           capsize=3, label="measured")
-    ax.plot(ns, [predictions[n]["predicted_speedup"] for n in ns], "o", color=REJECTED, label="cost model (fitted)")
+           capsize=3, label="measured (median round;\nwhiskers: slowest, fastest)")
+    ax.plot(ns, [predictions[n]["predicted_speedup"] for n in ns], "o", color=REJECTED,
+            label="loop model (tokens)")
+    by_bytes = [predictions[n].get("bytes_model_speedup", float("nan")) for n in ns]
+    if any(b == b for b in by_bytes):  # not all NaN
+        ax.plot(ns, by_bytes, "x", color="#555555", label="bytes model")
     ax.plot(ns, [predictions[n]["tokens_per_pass"] for n in ns], "_", ms=18, color="#888888",
             label="tokens per pass (the ceiling)")
     ax.axhline(1.0, color="black", lw=0.6)
@@ -368,4 +372,54 @@ def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, u
     ax.grid(axis="x", visible=False)
     # listed top to bottom as the segments are stacked
     fig.legend(handles[::-1], [h.get_label() for h in handles[::-1]], frameon=False, loc="outside right upper")
+    return fig
+
+
+def step_profile(report: dict):
+    """Where one step of the decoding loop goes, per n_draft (`qmtp.book.bench.mtp`): the verify pass and the head's
+    drafts, each timed alone, and the rest of the step in the loop (its tokens per pass over its tokens per second,
+    less those two), in ms per step."""
+    results = report["results"]
+    ns = [r["n_draft"] for r in results]
+    verify = [r["trunk_seconds_per_pass"] * 1e3 for r in results]
+    head = [(r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3 for r in results]
+    loop = [r["tokens_per_trunk_pass"] / r["tokens_per_second"] * 1e3 for r in results]
+    rest = [max(0.0, s - v - h) for s, v, h in zip(loop, verify, head)]
+    fig, ax = plt.subplots()
+    ax.bar(ns, verify, color=TRUNK, label="verify pass (timed alone)")
+    ax.bar(ns, head, bottom=verify, color=ACCEPTED, label="head drafts (timed alone)")
+    ax.bar(ns, rest, bottom=[v + h for v, h in zip(verify, head)], color="#bbbbbb",
+           label="rest of the step in the loop")
+    ax.plot(ns, loop, "_", ms=22, color="black", label="step in the loop\n(tokens/pass / tok/s)")
+    ax.set_xticks(ns)
+    ax.set_xlabel("n_draft")
+    ax.set_ylabel("ms per step")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(labels, series: dict, ylabel: str, xlabel: str | None = None, ylim=(0, 1)):
+    """Bars grouped by label, one colour per series (dict name -> values, NaN left empty), a legend naming the
+    series and each value written above its bar."""
+    import math
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / len(series)
+    colours = [TRUNK, ACCEPTED, REJECTED, "#888888"]
+    for s, (name, values) in enumerate(series.items()):
+        xs = [i + (s - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, [0 if math.isnan(v) else v for v in values], width, color=colours[s % 4], label=name)
+        for x, v in zip(xs, values):
+            if not math.isnan(v):
+                ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=9)  # wrap long labels before: they are not rotated
+    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylim:
+        ax.set_ylim(*ylim)
+    ax.legend(frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(series))
+    fig.tight_layout()
     return fig

@@ -1,8 +1,8 @@
-"""Measurements the chapters save, so that chapter 7 can set them beside the claims without measuring again.
+"""Measurements the chapters save, so that chapter 8 can set them beside the claims without measuring again.
 
 Each chapter ends with `results.save("02_fixes", path, {...})`: plain JSON values, written atomically into
 a folder of their own for every model (the folder's name carries a digest of the model's config and
-safetensors headers, so the bundled model's figures and a real checkpoint's never mix). Chapter 7 reads
+safetensors headers, so the bundled model's figures and a real checkpoint's never mix). Chapter 8 reads
 them back with `results.load`; a chapter that has not run yet for this model is a clear error naming it.
 
 Where: `$QMTP_RESULTS` if set; else `_build/qmtp-results` in the book's folder (the nearest folder above

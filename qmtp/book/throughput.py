@@ -23,7 +23,11 @@ cache, one embedding row and, again, all of lm_head.
 
 **3. Time of a pass** (`Machine.seconds`): bytes / bandwidth + overhead. At the real model's widths the first
 term dominates (the memory-bound regime); at the tiny model's widths a pass moves a few megabytes and its time
-is almost all overhead (the dispatch regime). `fit_machine` recovers both numbers from measured pass times.
+is almost all overhead (the dispatch regime). `fit_machine` recovers both numbers from measured pass times
+where time follows bytes. Where it does not (the tiny model on a CPU: each token of a pass adds operations to
+dispatch, while its bytes hardly grow), the line of time against bytes crosses zero bytes below zero seconds,
+`fit_machine` can only clamp the overhead at 0 and the line through the origin is flatter than the data;
+`fit_loop` prices a step by its tokens instead, plus what the decoding loop adds to every step (`LoopModel`).
 
 **4. Speedup.** With per-position acceptance rates a_1, a_2, ... (a draft at position i is proposed only if
 the ones before it were accepted), a step that verifies k = n_draft - 1 drafts emits on average
@@ -210,6 +214,58 @@ def fit_machine(trunk_bytes, trunk_seconds, head_bytes=None, head_seconds=None) 
         left = [s - b * per_byte for b, s in zip(head_bytes, head_seconds)]
         head_overhead = max(0.0, sum(left) / len(left))
     return Machine(bandwidth=1.0 / per_byte, overhead=overhead, head_overhead=head_overhead)
+
+
+def fit_line(x, y) -> tuple[float, float]:
+    """Ordinary least squares y = a + b x, nothing constrained: (a, b). `fit_machine` clamps a at zero; this
+    is the line the data draw, whose intercept says whether a pass's time follows its bytes at all: a negative
+    intercept means the time grows faster than the bytes, so some other cost (tokens) is in charge."""
+    n = len(x)
+    if n < 2 or len(y) != n:
+        raise ValueError("fit_line needs at least two (x, y) pairs")
+    mx_, my = sum(x) / n, sum(y) / n
+    sxx = sum((v - mx_) ** 2 for v in x)
+    if sxx == 0:
+        raise ValueError("fit_line needs at least two different x")
+    slope = sum((a - mx_) * (b - my) for a, b in zip(x, y)) / sxx
+    return my - slope * mx_, slope
+
+
+@dataclass(frozen=True)
+class LoopModel:
+    """What one step of the decoding loop costs on a machine where a pass's time follows its tokens, not its
+    bytes (the tiny model on a CPU: every operation is dispatched, and each token of a pass adds its share):
+
+        step(n_draft) = loop_overhead + pass_fixed + pass_per_token * n_draft + (n_draft - 1) * head_per_draft
+
+    `pass_fixed` and `pass_per_token` are the line through the verify passes timed alone; `head_per_draft`
+    the mean head draft step timed alone; `loop_overhead` what a step of the loop costs beyond its passes
+    (calling the compiled step, queueing it, reading its report, the host's books), taken from plain decoding:
+    its step in the loop (1 / tokens per second) less the line's pass at one token. So step(1) is plain
+    decoding's step exactly, and every other width is predicted from it."""
+
+    loop_overhead: float
+    pass_fixed: float
+    pass_per_token: float
+    head_per_draft: float
+
+    def pass_seconds(self, n_draft: int) -> float:
+        return self.pass_fixed + self.pass_per_token * n_draft
+
+    def step_seconds(self, n_draft: int) -> float:
+        return self.loop_overhead + self.pass_seconds(n_draft) + (n_draft - 1) * self.head_per_draft
+
+    def speedup(self, tokens_per_pass: float, n_draft: int) -> float:
+        """Tokens per second at `n_draft` over plain decoding's."""
+        return tokens_per_pass * self.step_seconds(1) / self.step_seconds(n_draft)
+
+
+def fit_loop(tokens, pass_seconds, head_seconds, plain_step_seconds: float) -> LoopModel:
+    """`LoopModel` from verify passes over `tokens` tokens timed alone (at least two widths), head draft
+    steps timed alone, and plain decoding's step in the loop (seconds per token)."""
+    fixed, per_token = fit_line(list(tokens), list(pass_seconds))
+    head = sum(head_seconds) / len(head_seconds) if head_seconds else 0.0
+    return LoopModel(plain_step_seconds - (fixed + per_token), fixed, per_token, head)
 
 
 # ---- 4. speedup -----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@
 # ---
 
 # %% [markdown]
-# # 7. The claims, checked
+# # 8. The claims, checked
 #
 # The seed's model card and the reports around it make claims about this model: that it needs two fixes,
 # what its conversions weigh, how often its head's drafts are accepted, what a crippled or quantized head
@@ -36,7 +36,7 @@
 # - where each claim comes from and which chapter's measurement judges it;
 # - what others measured with MTP on Qwen3.5/3.6-35B-A3B, and where the cost model agrees with them.
 #
-# **What runs here.** Nothing is measured again: the chapter reads what chapters 1 to 6 saved (`qmtp.book.results`)
+# **What runs here.** Nothing is measured again: the chapter reads what chapters 1 to 7 saved (`qmtp.book.results`)
 # for the same model and applies the rule written beside each claim in `qmtp.book.claims`; the published
 # figures come from `qmtp.book.published`, each with its source. The chapter's run time
 # in this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the
@@ -195,7 +195,8 @@ glue(
 
 # %% [markdown]
 # {doc}`06_throughput` predicts, from the bytes each pass of the real config reads, that on a machine where a
-# pass costs its bytes MTP gains {glue:text}`cm_best:.2f`x at best (`n_draft` = {glue:text}`cm_best_n`, 4-bit).
+# pass costs its bytes MTP gains {glue:text}`cm_best:.2f`x at best (`n_draft` = {glue:text}`cm_best_n`, a 4-bit
+# trunk and the head in bf16).
 # The same chapter timed passes at the real widths on this machine ({glue:text}`rw_where`): a verify pass over
 # two tokens took {glue:text}`rw_v2_time:.2f`x a plain pass's time for {glue:text}`rw_v2_bytes:.2f`x its
 # bytes, and a step at `n_draft=2` costs {glue:text}`rw_break_even:.2f` plain passes,
@@ -353,7 +354,7 @@ Markdown(
 
 # %% tags=["hide-input"]
 results.save(
-    "07_claims",
+    "08_claims",
     path,
     {
         "verdicts": {r["key"]: r["verdict"] for r in rows},
@@ -377,7 +378,7 @@ results.save(
 # Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
-# 1. Run chapters 1 to 7 with `QMTP_MODEL` pointing at a converted folder (exercise 2 of {doc}`01_anatomy`).
+# 1. Run chapters 1 to 8 with `QMTP_MODEL` pointing at a converted folder (exercise 2 of {doc}`01_anatomy`).
 #
 #    *Where the answer shows:* the verdict column under *One rule for the verdicts* is recomputed for that
 #    model; claims about the real model's numbers stay *not testable here* on any model but the real one.

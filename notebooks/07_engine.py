@@ -1,0 +1,478 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 7. The engine
+#
+# {doc}`06_throughput` priced a step from its passes. This chapter is about the code around them: where a
+# step's time goes in the decoding loop, what compiling the step and queueing the next one ahead buy, how
+# `n_draft="auto"` chooses the width, which BLAS the matrix products run on, and how qmtp compares with the two
+# other MLX engines that run this model, mlx-lm (plain decoding) and mlx-vlm (its own MTP drafting), on the
+# tiny model and, against mlx-lm, at the real widths. The measurements live in `qmtp.book.bench`
+# (`python -m qmtp bench mtp` and `bench decode` print the same tables).
+#
+# :::{admonition} What you will learn, what runs here
+# :class: tip
+#
+# **You will learn**
+#
+# - where a speculative step's time goes on the tiny model: the passes, the head's drafts, the loop around
+#   them;
+# - what compiling the step and queueing ahead buy, and how `n_draft="auto"` chooses the width;
+# - qmtp against mlx-lm and mlx-vlm on the same checkpoint, and against mlx-lm at the real widths, where
+#   both wait on the same MLX kernel.
+#
+# **What runs here.** The tiny model's decoding, interleaved with mlx-lm's and mlx-vlm's on the same prompts,
+# and four layers at the real widths decoded by qmtp and by mlx-lm, all measured in this run (timings vary
+# with the machine and its load). The chapter's run time in this build is in the
+# {doc}`execution table <../book/execution>`; the download button at the top of the page gives this notebook.
+#
+# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# :::
+
+# %% tags=["hide-input"]
+import os
+import textwrap
+
+import qmtp
+from IPython.display import Markdown, display
+from myst_nb import glue
+from qmtp import blas
+from qmtp.book import bench, budget, evaluate, inventory, machine, peer, plots, results
+
+path = inventory.model_path()
+print(inventory.describe(path))
+config = qmtp.ModelConfig.from_file(path)
+FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
+glue("budget_note", Markdown(budget.statement("07_engine", config)), display=False)
+model = qmtp.load(budget.decoding_model(path))
+QUICK = os.environ.get("QMTP_QUICK") == "1"
+prompts = evaluate.heldout_prompts(model, 1)
+MAX_TOKENS, REPEATS = (16, 1) if QUICK else (32, 3)
+N_DRAFTS = (1, 2, 3, 4, 5)
+if FULL:
+    MAX_TOKENS, REPEATS = budget.ENGINE["max_tokens"], budget.ENGINE["repeats"]
+    N_DRAFTS = budget.ENGINE["n_drafts"]
+# mlx-vlm beside qmtp on the same checkpoint: not at full size (a second whole model)
+why_no_peer = "not loaded at full size" if FULL else peer.available()
+peer_engine = None if why_no_peer else peer.MlxVlmEngine(path)
+
+# %% [markdown]
+# ## Where a step's time goes
+#
+# qmtp decodes at each `n_draft` from 1 to 5, `n_draft="auto"`, the loop with parts of it taken away, and
+# mlx-vlm's own MTP decoding, all on the same held-out prompts, interleaved prompt by prompt and repeated
+# (`bench.mtp`), so that the shared machine's slow spells fall on all of them alike. The loop's phases are
+# timed as it runs (`speculative.PhaseTimer`): "queue" is the host calling the compiled step and queueing it
+# (`mx.async_eval`), "wait" the host waiting for the step's tokens. The verify pass and the head's drafts are
+# also compiled and timed alone.
+
+# %%
+print(textwrap.fill("Timed on: " + machine.line(), 72))
+report = bench.mtp(
+    model,
+    prompts[:1] if FULL else prompts,
+    max_tokens=MAX_TOKENS,
+    n_drafts=N_DRAFTS,
+    repeats=REPEATS,
+    ablate=(1, 4),
+    peer=peer_engine,
+)
+by_n = {r["n_draft"]: r for r in report["results"]}
+assert all(r["same_tokens_as_plain"] for r in report["results"])
+step_ms = {  # a step in the loop: tokens per pass over tokens per second
+    n: r["tokens_per_trunk_pass"] / r["tokens_per_second"] * 1e3
+    for n, r in by_n.items()
+}
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {
+                    "n_draft": r["n_draft"],
+                    "tok/s": r["tokens_per_second"],
+                    "step ms": step_ms[r["n_draft"]],
+                    "verify ms": r["trunk_seconds_per_pass"] * 1e3,
+                    "drafts ms": (r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3,
+                    "queue ms": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
+                    "wait ms": r["phase_seconds_per_pass"].get("sync", 0) * 1e3,
+                }
+                for r in report["results"]
+            ],
+            [
+                "n_draft",
+                "tok/s",
+                "step ms",
+                "verify ms",
+                "drafts ms",
+                "queue ms",
+                "wait ms",
+            ],
+            {
+                "tok/s": "{:.0f}",
+                "step ms": "{:.2f}",
+                "verify ms": "{:.2f}",
+                "drafts ms": "{:.2f}",
+                "queue ms": "{:.2f}",
+                "wait ms": "{:.2f}",
+            },
+        )
+    )
+)
+passes_ms = {
+    n: (r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"]) * 1e3
+    for n, r in by_n.items()
+}
+# the share of a step in the loop spent outside its passes (0 where noise says less)
+outside = {n: max(0.0, 1 - passes_ms[n] / step_ms[n]) for n in by_n}
+glue("plain_step_ms", step_ms[1], display=False)
+glue("plain_outside", outside[1], display=False)
+glue("n4_outside", outside[4], display=False)
+glue(
+    "queue_share_n2",
+    by_n[2]["phase_seconds_per_pass"].get("build", 0) * 1e3 / step_ms[2],
+    display=False,
+)
+glue(
+    "wait_share_n2",
+    by_n[2]["phase_seconds_per_pass"].get("sync", 0) * 1e3 / step_ms[2],
+    display=False,
+)
+
+# %% mystnb={"figure": {"caption": "One step of the tiny model's decoding loop, in ms, at each n_draft: the verify pass (blue) and the head's drafts (green), each compiled and timed alone, and the rest of the step as the loop ran it (grey), up to the step in the loop, tokens per pass over tokens per second (black): {glue:text}`plain_outside:.0%` of a plain step is outside its pass, {glue:text}`n4_outside:.0%` at n_draft 4.", "name": "fig-step-profile"}}
+fig = plots.step_profile(report)
+
+# %% [markdown]
+# A plain step in the loop takes {glue:text}`plain_step_ms:.2f` ms, {glue:text}`plain_outside:.0%` of it
+# outside the pass itself ({glue:text}`n4_outside:.0%` at `n_draft=4`). That part is the loop's: the host
+# calling the compiled step and queueing it, which is {glue:text}`queue_share_n2:.0%` of a step at
+# `n_draft=2`, and waiting for its tokens, {glue:text}`wait_share_n2:.0%`. On the CPU MLX computes on the
+# host's own cores, so the host's work and the computation take turns more than they overlap. That cost per
+# step is what the loop model of {doc}`06_throughput` calls $t_\text{loop}$, and the reason drafting can pay
+# on the tiny model: a step's fixed cost is shared by every token the step yields.
+#
+# ## Choosing the width as you go
+#
+# The best `n_draft` depends on the head's acceptance, which depends on the text, and on what a wider pass
+# costs, which depends on the model and the machine. `n_draft="auto"` (`qmtp.adaptive.DraftPlanner`) estimates
+# both. The acceptance at each draft position is counted from the drafts proposed and kept, carried from one
+# generation to the next and faded step by step, each rate pulled towards the rate of the position before it:
+# at width w the positions past w - 1 are never proposed, and a low rate seen there once, if it were kept,
+# would shut every wider width out for good. The cost of a step at each width is timed once per model, each
+# width's compiled step pipelined as the decoding loop runs it, in short interleaved rounds until the widths'
+# relative costs are known to a few percent: a shared machine does not keep one speed from one second to the
+# next, and the choice between neighbouring widths turns on a few percent. Each step then takes the
+# width with the most expected tokens per second, $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the
+# section on speedup, and falls back to plain
+# decoding for good when drafting stops paying. It ran in the same rounds as the fixed widths above:
+
+# %%
+auto = report["auto"]
+assert auto["same_tokens_as_plain"]
+display(
+    Markdown(
+        inventory.markdown_table(
+            [
+                {"width": n, "share of steps": share}
+                for n, share in auto["width_share"].items()
+            ],
+            ["width", "share of steps"],
+            {"share of steps": "{:.0%}"},
+        )
+    )
+)
+glue("auto_tps", auto["tokens_per_second"], display=False)
+glue("auto_vs_plain", auto["speedup_vs_plain"], display=False)
+glue("auto_vs_best", auto["over_best_fixed"], display=False)
+glue("auto_best_n", auto["best_fixed_n_draft"], display=False)
+glue("auto_tokens_per_pass", auto["tokens_per_trunk_pass"], display=False)
+glue("auto_calibration_ms", auto["calibration_seconds"] * 1e3, display=False)
+glue(
+    "auto_verdict",
+    (
+        "within 5% of the best fixed width"
+        if auto["over_best_fixed"] >= 0.95
+        else "more than 5% short of the best fixed width: on this machine its timings "
+        "or its acceptance estimates led it to a width that was not the best in these "
+        "rounds"
+    ),
+    display=False,
+)
+
+# %% [markdown]
+# With `auto`, decoding ran at {glue:text}`auto_tps:.0f` tokens/s, {glue:text}`auto_vs_plain:.2f`x plain
+# decoding and {glue:text}`auto_vs_best:.2f`x the best fixed width (`n_draft` = {glue:text}`auto_best_n`),
+# {glue:text}`auto_tokens_per_pass:.2f` tokens per pass: {glue:text}`auto_verdict`. Timing the widths cost
+# {glue:text}`auto_calibration_ms:.0f` ms once, before the first generation (not counted in its tokens per
+# second). The fixed widths' speeds are those of the same rounds, so part of any gap is the machine's noise.
+#
+# ## What the lean loop buys
+#
+# Two choices make the loop above lean: each step is one compiled function (`mx.compile` traces
+# `qmtp.decoding.step` once per width and replays the trace), and the host queues step s + 1 before it
+# reads the tokens of step s, so the machine never waits for Python. The same rounds ran the same loop with
+# one or both taken away (`generate(..., compiled=False, queue_ahead=False)`; `python -m qmtp bench mtp
+# --ablate 1 4` prints the same rows), at plain decoding and at `n_draft=4`:
+
+# %%
+ablation = report["ablation"]
+assert all(r["same_tokens_as_lean"] for r in ablation)
+lean = {n: by_n[n]["tokens_per_second"] for n in (1, 4)}
+rows = [
+    {
+        "loop": "compiled, queued ahead",
+        "n_draft": n,
+        "tok/s": lean[n],
+        "of the lean loop": 1.0,
+        "vs plain (lean)": lean[n] / lean[1],
+    }
+    for n in (1, 4)
+]
+rows += [
+    {
+        "loop": r["loop"].replace("eager", "eager (not compiled)"),
+        "n_draft": r["n_draft"],
+        "tok/s": r["tokens_per_second"],
+        "of the lean loop": r["over_lean"],
+        "vs plain (lean)": r["tokens_per_second"] / lean[1],
+    }
+    for r in ablation
+]
+display(
+    Markdown(
+        inventory.markdown_table(
+            rows,
+            ["loop", "n_draft", "tok/s", "of the lean loop", "vs plain (lean)"],
+            {
+                "tok/s": "{:.0f}",
+                "of the lean loop": "{:.2f}x",
+                "vs plain (lean)": "{:.2f}x",
+            },
+        )
+    )
+)
+eager = {r["n_draft"]: r for r in ablation if r["loop"].startswith("eager")}
+unqueued = {r["n_draft"]: r for r in ablation if not r["loop"].startswith("eager")}
+glue("eager_n4_vs_lean_plain", eager[4]["tokens_per_second"] / lean[1], display=False)
+glue(
+    "eager_n4_vs_eager_plain",
+    eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"],
+    display=False,
+)
+glue("eager_n1_of_lean", eager[1]["over_lean"], display=False)
+glue("unqueued_n4_of_lean", unqueued[4]["over_lean"], display=False)
+glue("lean_n4_vs_plain", lean[4] / lean[1], display=False)
+trace_gain = (
+    unqueued[4]["tokens_per_second"] / eager[4]["tokens_per_second"]
+)  # both read before queueing
+overlap_gain = 1 / unqueued[4]["over_lean"]
+glue("trace_gain", trace_gain, display=False)
+glue("overlap_gain", overlap_gain, display=False)
+glue(
+    "gain_verdict",
+    (
+        "the trace is worth more than the overlap"
+        if trace_gain > overlap_gain
+        else "the overlap is worth more than the trace"
+    ),
+    display=False,
+)
+
+# %% [markdown]
+# Without its trace a step builds its graph operation by operation, which at the tiny model's sizes is a
+# large part of a step: eager plain decoding runs at {glue:text}`eager_n1_of_lean:.2f`x the lean loop.
+# Eager drafting at `n_draft=4` is {glue:text}`eager_n4_vs_eager_plain:.2f`x eager plain decoding, but
+# {glue:text}`eager_n4_vs_lean_plain:.2f`x the lean plain loop, against {glue:text}`lean_n4_vs_plain:.2f`x
+# for the lean one: a speculative loop is only faster if it beats a plain loop as lean as itself. At
+# `n_draft=4` the trace alone gives {glue:text}`trace_gain:.2f`x (both loops reading each step before
+# queueing the next) and queueing ahead another {glue:text}`overlap_gain:.2f`x: {glue:text}`gain_verdict`
+# here (on the CPU, MLX lets the host run only a little ahead of the computation).
+#
+# ## The matrix products: which BLAS
+#
+# An unquantized matrix product on MLX's CPU backend goes to a BLAS. The `mlx[cpu]` wheel for Linux carries
+# netlib's reference BLAS, on which a product of n rows costs n products of one; `qmtp.blas` loads the
+# machine's OpenBLAS for MLX when there is one (`QMTP_BLAS=bundled` keeps the wheel's). In this build:
+# {glue:text}`blas_used`. Quantized products (every weight of a converted model) do not go through a BLAS:
+# they are MLX's own kernel, whatever the BLAS.
+#
+# ## qmtp against mlx-lm and mlx-vlm
+#
+# Plain greedy decoding of the same checkpoint by qmtp and by mlx-lm's `generate_step`, both computing in
+# float32 on the CPU, interleaved round by round (`bench.decode`); and mlx-vlm's own MTP drafting
+# (`--draft-kind mtp`, its `block_size` the same count as `n_draft`) in the same rounds as qmtp's widths above.
+
+# %%
+glue("blas_used", blas.describe(), display=False)
+if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
+    nan = {"tokens_per_second": float("nan")}
+    versus = {
+        "engines": {"qmtp": nan, "mlx-lm": nan},
+        "ratio": float("nan"),
+        "same_tokens": True,
+    }
+    print("mlx-lm is not loaded at full size")
+else:
+    versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
+    print(bench.decode_table(versus))
+assert versus["same_tokens"]
+glue("qmtp_tps", versus["engines"]["qmtp"]["tokens_per_second"], display=False)
+glue("mlx_lm_tps", versus["engines"]["mlx-lm"]["tokens_per_second"], display=False)
+glue("qmtp_ratio", versus["ratio"], display=False)
+vlm = report.get("peer")
+if vlm is not None:
+    display(
+        Markdown(
+            inventory.markdown_table(
+                [
+                    {
+                        "n_draft": r["n_draft"],
+                        "qmtp tok/s": by_n[r["n_draft"]]["tokens_per_second"],
+                        "mlx-vlm tok/s": r["tokens_per_second"],
+                        "qmtp / mlx-vlm": r["qmtp_over_peer"],
+                        "same tokens as qmtp": (
+                            "yes" if r["same_tokens_as_qmtp"] else "no"
+                        ),
+                        "mlx-vlm acceptance": ", ".join(
+                            f"{a:.2f}"
+                            for a in r["acceptance_per_position"]
+                            if a is not None
+                        )
+                        or "-",
+                    }
+                    for r in vlm["results"]
+                ],
+                [
+                    "n_draft",
+                    "qmtp tok/s",
+                    "mlx-vlm tok/s",
+                    "qmtp / mlx-vlm",
+                    "same tokens as qmtp",
+                    "mlx-vlm acceptance",
+                ],
+                {
+                    "qmtp tok/s": "{:.0f}",
+                    "mlx-vlm tok/s": "{:.0f}",
+                    "qmtp / mlx-vlm": "{:.2f}x",
+                },
+            )
+        )
+    )
+    vlm_best = vlm["best_qmtp_over_best_peer"]
+    vlm_same = all(r["same_tokens_as_qmtp"] for r in vlm["results"])
+    vlm_line = (
+        f"Over the same rounds the best qmtp width ran at {vlm_best:.2f}x the best "
+        f"mlx-vlm width ({vlm['engine']}); mlx-vlm's tokens were "
+        + ("the same as qmtp's at every width." if vlm_same else "not all the same as "
+           "qmtp's: see the table.")
+    )
+else:
+    vlm_best, vlm_line = float("nan"), f"mlx-vlm was not run: {why_no_peer}."
+glue("vlm_line", vlm_line, display=False)
+
+# %% [markdown]
+# qmtp decodes {glue:text}`qmtp_tps:.0f` tokens/s against mlx-lm's {glue:text}`mlx_lm_tps:.0f`
+# (ratio {glue:text}`qmtp_ratio:.2f`), with the same greedy tokens. {glue:text}`vlm_line` qmtp gets there by
+# running a whole decode or verify step as one compiled function of the state it carries (`mx.compile` over
+# `qmtp.decoding.step`), which fuses its elementwise work and replays it without Python, and by queueing the
+# next pass before reading the current token. At the tiny widths a pass costs what it dispatches, so this is
+# where an engine's own overheads show.
+#
+# ## At the real widths: qmtp and mlx-lm
+#
+# The same comparison on four layers at the real widths, with all 256 experts and the vocabulary of 248,320
+# (`bench.real_width_model`, as in {doc}`06_throughput`), decoded by qmtp and by mlx-lm's own model code
+# holding the same arrays, quantized the same way (`bench.mlx_lm_twin`). With `QMTP_MODEL` at the full-size
+# release the comparison is not run (mlx-lm would hold a second whole model).
+
+# %%
+if FULL:
+    wide = {
+        "engines": {"qmtp": nan, "mlx-lm": nan},
+        "ratio": float("nan"),
+        "same_tokens": True,
+    }
+    print("not run at full size")
+else:
+    real = bench.real_width_model()
+    wide = bench.decode(
+        real,
+        [prompts[0]],
+        max_tokens=3 if QUICK else 4,
+        repeats=2,
+        reference=bench.mlx_lm_twin(real),
+    )
+    del real  # 5 GB
+    print(bench.decode_table(wide))
+assert wide["same_tokens"]
+glue("wide_qmtp", wide["engines"]["qmtp"]["tokens_per_second"], display=False)
+glue("wide_mlx_lm", wide["engines"]["mlx-lm"]["tokens_per_second"], display=False)
+glue("wide_ratio", wide["ratio"], display=False)
+glue(
+    "wide_verdict",
+    (
+        "the same speed within a tenth"
+        if abs(wide["ratio"] - 1) <= 0.1
+        else f"a ratio of {wide['ratio']:.2f}"
+    ),
+    display=False,
+)
+
+# %% [markdown]
+# At the real widths qmtp decodes {glue:text}`wide_qmtp:.2f` tokens/s and mlx-lm
+# {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens. Both engines spend their time
+# in the same MLX kernel, the CPU's quantized matrix product, whose cost on this machine {doc}`06_throughput`
+# measured; lm_head alone, 248,320 rows of 2,048 weights, is one such product per token. qmtp's one addition
+# there is `qmtp.cores`: lm_head cut into blocks of rows computed on separate CPU streams, so on separate
+# cores, with exactly the same logits (`QMTP_CORES=1` turns it off).
+#
+# %%
+saved = results.save(
+    "07_engine",
+    path,
+    {
+        "plain_tokens_per_second": by_n[1]["tokens_per_second"],
+        "step_ms": {str(n): v for n, v in step_ms.items()},
+        "outside_passes": {str(n): v for n, v in outside.items()},
+        "auto_over_best_fixed": auto["over_best_fixed"],
+        "ablation": report["ablation"],
+        "qmtp_over_mlx_lm": versus["ratio"],
+        "qmtp_over_mlx_vlm_best": vlm_best,
+        "real_width_qmtp_over_mlx_lm": wide["ratio"],
+        "real_width_tokens_per_second": {
+            name: e["tokens_per_second"] for name, e in wide["engines"].items()
+        },
+        "blas": blas.describe(),
+        "machine": machine.describe(),
+    },
+)
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Run `python -m qmtp bench mtp` in a terminal, then `QMTP_BLAS=bundled python -m qmtp bench mtp`.
+#
+#    *Where the answer shows:* the first line of each table names the BLAS; compare the "verify ms" column
+#    for `n_draft` 1 and 5, and the "vs plain" column.
+#
+# 2. Set `QMTP_CORES=1` and rerun `python -m qmtp bench decode`.
+#
+#    *Where the answer shows:* the qmtp row of *qmtp against mlx-lm*; on the tiny model lm_head is not split,
+#    so the number should not move.
+#
+# 3. Decode eagerly: `qmtp.generate(model, prompts[0], max_tokens=32, n_draft=4, compiled=False)`, and
+#    compare `.stats.tokens_per_second` with the same call without `compiled=False`.
+#
+#    *Where the answer shows:* the "eager (not compiled)" row of *What the lean loop buys*.
