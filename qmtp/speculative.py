@@ -59,7 +59,7 @@ class Stats:
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
     prefill_seconds: float = 0.0
-    calibration_seconds: float = 0.0  # n_draft="auto": timing each width's step (once per model and drafter)
+    first_token_seconds: float = 0.0  # from the call to the first new token: checks, prefill, its sampling
     decode_seconds: float = 0.0  # from the first token to the last (the passes overlap: not split by phase)
     experts_per_pass: list[list[int]] = field(default_factory=list)  # per verify pass, per layer: distinct experts
     steps: list[Step] = field(default_factory=list)
@@ -116,6 +116,7 @@ class Stats:
             "tokens_per_trunk_pass": self.tokens_per_trunk_pass,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,
+            "first_token_seconds": self.first_token_seconds,
             "decode_seconds": self.decode_seconds,
             "nonfinite_drafts": self.nonfinite_drafts,
         }
@@ -314,6 +315,7 @@ def generate(
         on_tokens: called with each step's new output tokens as soon as the host has them (streaming; a
             step's tokens past `max_tokens` or after the end-of-text token are not passed).
     """
+    called = time.perf_counter()
     prompt_tokens = _prompt_tokens(model, prompt)
     _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
     settings = resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -342,13 +344,13 @@ def generate(
     strategy = decoding.strategy_for(settings)
     planner = None
     if n_draft == "auto":
-        started = time.perf_counter()
-        costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens)
-        stats.calibration_seconds = time.perf_counter() - started
-        # the acceptance counted by the last generation with this drafter is where this one starts
+        # the acceptance counted and the step costs timed by the last generations with this drafter and these
+        # settings are where this one starts (nothing is timed before the first token)
         carried = model.__dict__.setdefault("_draft_counts", {})
         proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
-        n_draft = planner = DraftPlanner(costs, proposed=proposed, accepted=accepted)
+        costs = model.__dict__.setdefault("_step_costs", {}).setdefault(
+            (id(drafter), strategy.key, hidden, rollback), adaptive.StepCosts())
+        n_draft = planner = DraftPlanner(learned=costs, proposed=proposed, accepted=accepted)
 
     out: list[int] = []
     started = time.perf_counter()
@@ -367,6 +369,7 @@ def generate(
 
     out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
+    stats.first_token_seconds = time.perf_counter() - called
     stream()
     started = time.perf_counter()
     for step, experts in steps:
@@ -408,7 +411,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     per pass (a planner therefore chooses each width knowing the steps up to the one before). With
     rollback="replay" the host must know what was kept before it can build the next pass."""
     planner = n_draft if isinstance(n_draft, DraftPlanner) else None
-    widest = max(planner.costs) if planner else n_draft
+    widest = max(planner.widths) if planner else n_draft
     record = rollback == "record" and widest > 1
     capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
     key = mx.random.key(seed)
@@ -429,6 +432,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         return n, step
 
     queued = queue(state, last, key)
+    read_at, previous = None, None  # when the last step's tokens were read; its (width, next step's width)
     while True:
         before = state
         n, (state, last, report, experts, key) = queued
@@ -437,6 +441,14 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             queued = queue(state, last, key)  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
+        if planner:
+            # One step's cost: the interval since the last read, when the step read then had this width and
+            # the same one queued behind it (or none, both times). A step queued before the read runs partly
+            # inside the interval, so beside a change of width (or of queueing) it would time a neighbour.
+            now, this = time.perf_counter(), (n, queued[0] if queued else None)
+            if this == previous:
+                planner.observe_cost(n, now - read_at)
+            read_at, previous = now, this
         tokens, next_token, keep, finite = report[:n], report[n], report[n + 1], report[n + 2]
         if finite < keep:  # a kept token was chosen from NaN or Inf logits
             raise _nonfinite(model, len(prompt_tokens) + produced - 1 + finite, tokens[finite], drafts=tokens[1:])
@@ -529,21 +541,3 @@ def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bo
             run = mx.compile(run, inputs=implicit)
         steps[key] = run
     return steps[key]
-
-
-def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_tokens: list[int],
-               max_tokens: int, widths=adaptive.WIDTHS) -> dict[int, float]:
-    """Seconds of one step at each width, timed on the state after the prompt (`adaptive.time_steps`);
-    measured once per model, drafter and settings, and kept with the model."""
-    record = rollback == "record"
-    costs = model.__dict__.setdefault("_step_costs", {})
-    key = (id(head), strategy.key, hidden, record, tuple(widths))
-    if key not in costs:
-        widest = max(widths)
-        capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
-        rng = mx.random.key(0)
-        state, (h, after, keep), _ = _prefill(model, head, prompt_tokens, capacity, widest, strategy, hidden, rng)
-        runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record) for n in widths}
-        inputs = {n: (state, (h[:, :n], after[:, :n], keep), rng) for n in widths}
-        costs[key] = adaptive.time_steps(runs, inputs)
-    return costs[key]
