@@ -79,7 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--n-draft", type=_n_draft, default=None, metavar="N|auto",
                       help="tokens per trunk pass counting the trunk's own (2 = one head draft; auto: chosen per "
                            "step); needs --use-mtp")
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="0: greedy (default: the model's generation_config.json, else greedy)")
+    # The sampler: the model's generation_config.json settings unless these override them
+    chat.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    chat.add_argument("--top-p", type=float, default=None, help="keep the most likely tokens up to this mass")
+    chat.add_argument("--min-p", type=float, default=None, help="drop tokens below this share of the most likely")
+    chat.add_argument("--presence-penalty", type=float, default=None, help="per token generated before")
+    chat.add_argument("--frequency-penalty", type=float, default=None, help="per time a token was generated")
+    chat.add_argument("--repetition-penalty", type=float, default=None,
+                      help="on tokens of the prompt and the generated text (1: none)")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin)")
@@ -394,8 +403,21 @@ def _check_n_draft(args, most: int) -> None:
         raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
 
 
+def _describe_sampling(settings) -> str:
+    """The settings that differ from greedy decoding without penalties, as name=value."""
+    from dataclasses import fields
+
+    from .sampling import Sampling
+
+    default = Sampling()
+    return ", ".join(f"{f.name}={getattr(settings, f.name):g}" for f in fields(settings)
+                     if getattr(settings, f.name) != getattr(default, f.name))
+
+
 def chat(args) -> int:
     from .loading import load
+    from .sampling import Sampling
+    from .sampling import resolve as resolve_sampling
     from .speculative import MAX_N_DRAFT, generate
 
     # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
@@ -408,19 +430,24 @@ def chat(args) -> int:
         raise UsageError("the prompt is empty: give at least one token of text")
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
         raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
+    flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 repetition_penalty=args.repetition_penalty)
+    Sampling(**{k: v for k, v in flags.items() if v is not None})  # a bad flag is refused before the load
     n_draft = args.n_draft if args.use_mtp else 1
     model = load(args.model)
     if args.use_mtp:
         model.require_head()
     if model.tokenizer is None:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
+    settings = resolve_sampling(model, "model", **flags)
     prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
     for prompt in prompts:
         print(prompt, end="", flush=True)
         text = TextStream(model.tokenizer)
         try:
-            g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft,
-                         temperature=args.temperature, seed=args.seed, on_tokens=text.add)
+            g = generate(model, prompt, max_tokens=args.max_tokens, n_draft=n_draft, sampling=settings,
+                         seed=args.seed, on_tokens=text.add)
         except QmtpError:  # damaged weights stop it mid-text: end the line streamed so far, then the error
             print(flush=True)
             raise
@@ -434,6 +461,8 @@ def chat(args) -> int:
             if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
                 line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
                          f"damaged: `python -m qmtp doctor MODEL --scan`)")
+        if settings != Sampling():  # from generation_config.json, or the flags: say which were used
+            line += f", sampling {_describe_sampling(settings)}"
         print(line + "]", file=sys.stderr, flush=True)
     return 0
 
