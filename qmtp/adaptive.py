@@ -16,17 +16,21 @@ learned from the steps the generation runs anyway.
 - the cost of a step is timed in the decoding loop itself (`StepCosts`): the interval between reading one
   step's tokens and the next's, where the steps around it have the same width (the loop queues a step before
   it reads the one before, so an interval beside a change of width is partly its neighbour's). A width the
-  loop has not run yet is priced from the ones it has: the least-squares line through their costs, or, with
-  one, a line of slope `prior_slope` (relative to it) through it. So the planner starts at the width the
-  prior favours and moves to a neighbour only when the line it has measured says that pays; each width is
-  compiled when first used. A width, once chosen, is kept for `run` steps, so that its steps are timed away
-  from a change of width. The costs are kept with the model and carried from one generation to the next:
-  a later generation starts from what the earlier ones measured, and keeps refining it (the median of the
-  last `keep` intervals of each width, robust to the slow steps a shared machine throws in).
+  loop has not run yet is priced from the ones it has (`StepCosts.prices`): optimistically above them, so
+  that a wider width that may pay gets run and timed, and by the line through them below. So the planner
+  starts at the width the prior favours and moves to a neighbour when what it has measured says that pays;
+  each width is compiled when first used. A width, once chosen, is kept for `run` steps, so that its steps
+  are timed away from a change of width, and a width close to the best that has not run for `revisit` steps
+  runs again (the machine's pace drifts, and a stale price can keep the planner off the best). The costs
+  are kept with the model and carried from one generation to the next: a later generation starts from what
+  the earlier ones measured, and keeps refining it (the median of the last `keep` intervals of each width,
+  robust to the slow steps a shared machine throws in).
 
-Plain decoding (width 1) is the fallback when drafting does not pay: it stops the head, so once chosen it
-stays chosen (the head's cache would miss the positions decoded without it). For the same reason it is never
-run to be timed: its cost is the measured line's value at width 1.
+Width 1 is a plain step. Chosen while the planner still learns, the head keeps reading each position
+(`decoding.follow`: its layer, no draft), so that the step is timed and drafting can resume. After
+`plain_after` steps, if plain decoding's timed speed beats every drafting width's by `give_up_margin`,
+the planner gives up drafting for good: the head stops, and plain decoding stays (the head's cache would
+miss the positions decoded without it).
 """
 
 from __future__ import annotations
@@ -55,38 +59,52 @@ class StepCosts:
         self.min_samples = min_samples  # intervals before a width's own median replaces the line's price
         self.prior_slope = prior_slope  # with one width measured: each token more costs this share of width 1
         self.samples: dict[int, deque] = {}
+        self.timed = 0  # intervals observed, all widths
 
     def observe(self, width: int, seconds: float) -> None:
         if seconds > 0:
             self.samples.setdefault(width, deque(maxlen=self.keep)).append(seconds)
+            self.timed += 1
 
     def measured(self) -> dict[int, float]:
         """Width -> the median of its recent intervals, for the widths timed often enough."""
         return {n: statistics.median(t) for n, t in self.samples.items() if len(t) >= self.min_samples}
 
     def prices(self, widths) -> dict[int, float]:
-        """Every width's cost: its own median where measured, else the line through the measured (up to a
-        common scale, before any is measured: only the widths' ratios decide the choice)."""
-        known = self.measured()
-        line = self._line(known)
-        return {n: known[n] if n in known else line(n) for n in widths}
+        """Every width's cost: its own median where measured; else priced from the measured drafting widths.
 
-    def _line(self, known: dict[int, float]):
-        drafting = {n: c for n, c in known.items() if n > 1} or known
+        - a width wider than one measured: the nearest narrower measured width's cost plus, per width, the
+          slope of the line through the measured widths, at most the prior's. Optimistic: a wider width that
+          may pay gets run, and so measured (widths timed at different moments can steepen a line by noise);
+        - a width narrower than all measured, width 1 included: the line down to it, but no less than half
+          the prior line's ratio below the narrowest measured width (it is run, and so measured, if that
+          price makes it the best).
+
+        Before any width is measured, the prior line (up to a scale: only the widths' ratios decide)."""
+        known = self.measured()
+        drafting = {n: c for n, c in known.items() if n > 1}
+        s = self.prior_slope
+        if not drafting:
+            return {n: known.get(n, 1 + s * (n - 1)) for n in widths}
+        narrowest = min(drafting)
+        unit = drafting[narrowest] / (1 + s * (narrowest - 1))  # the prior line's width 1 through it
+        slope = s * unit
         if len(drafting) >= 2:
             xs, ys = list(drafting), list(drafting.values())
-            mx_, my = statistics.fmean(xs), statistics.fmean(ys)
-            slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx_) ** 2 for x in xs)
-            # a step is never cheaper for verifying more; noise can tilt a line fitted to near widths
-            slope = max(slope, 0.0)
-            floor = min(ys) * 0.05  # and never free
-            return lambda n: max(my + slope * (n - mx_), floor)
-        if drafting:
-            (m, c), = drafting.items()
-            unit = c / (1 + self.prior_slope * (m - 1))  # the prior line's width 1 through the measured width
-        else:
-            unit = 1.0
-        return lambda n: unit * (1 + self.prior_slope * (n - 1))
+            mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+            fitted = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+            slope = max(fitted, 0.0)  # a step is never cheaper for verifying more
+        prices = {}
+        for n in widths:
+            below = [m for m in drafting if m < n]
+            if n in known:
+                prices[n] = known[n]
+            elif below:
+                m = max(below)
+                prices[n] = drafting[m] + min(slope, s * unit) * (n - m)
+            else:  # half the prior line's: a line tilted by noise does not make a width look free
+                prices[n] = max(drafting[narrowest] - slope * (narrowest - n), 0.5 * unit * (1 + s * (n - 1)))
+        return prices
 
 
 @dataclass
@@ -108,6 +126,11 @@ class DraftPlanner:
     learned: StepCosts | None = None
     run: int = 4  # with learned costs: steps a chosen width is kept (the ones inside the run are timed)
     held: int = 0  # consecutive choices of `width`
+    plain: bool = False  # drafting given up for good: the head is stopped
+    give_up_margin: float = 1.15  # with learned costs: how much faster plain decoding must be to give up for good
+    revisit: int = 48  # with learned costs: steps after which a width run before, close to the best, runs again
+    revisit_margin: float = 1.1  # close: the best's expected speed within this factor of its own
+    last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it was last chosen at
 
     def __post_init__(self):
         if (self.costs is None) == (self.learned is None):
@@ -135,7 +158,10 @@ class DraftPlanner:
         return expected_tokens_per_pass(rates[: width - 1]) / prices[width]
 
     def choose(self) -> int:
-        if self.width == 1:
+        """The next step's width. Width 1 chosen after `plain_after` steps gives up drafting for good (`plain`);
+        with learned costs, width 1 chosen before is a plain step whose head keeps following (the loop runs
+        `decoding.follow`), so that its cost is timed and drafting can resume."""
+        if self.plain:
             return 1
         if self.learned is not None and self.width and self.held < self.run:
             self.held += 1  # inside a run: its steps are the ones timed
@@ -143,10 +169,27 @@ class DraftPlanner:
         rates, prices = self.rates(), self.prices()  # once per step: the loop calls this between trunk passes
         # With fixed costs, no hysteresis: switching width between steps costs nothing (each width's step is
         # compiled once); with learned costs, a switch starts a run.
-        width = max((n for n in self.widths if n > 1 or self.steps >= self.plain_after),
-                    key=lambda n: self.tokens_per_second(n, rates, prices))
+        allowed = (n for n in self.widths
+                   if n > 1 or self.steps >= self.plain_after or self.learned is not None)
+        speed = {n: self.tokens_per_second(n, rates, prices) for n in allowed}
+        width = max(speed, key=speed.get)
+        if width == 1 and self.steps >= self.plain_after:
+            # For good only on evidence: plain decoding's cost timed (not guessed), and a clear lead (noise
+            # between near speeds must not end drafting for the rest of the generation).
+            drafting = max(v for n, v in speed.items() if n > 1)
+            self.plain = self.learned is None or (1 in self.learned.measured()
+                                                  and speed[1] > self.give_up_margin * drafting)
+        if self.learned is not None and not self.plain:
+            # A width close to the best that has not run for a while runs again: its cost was timed at the
+            # machine's pace of then (or guessed), and a stale price can keep the planner off the best
+            for n in sorted(speed, key=speed.get, reverse=True):
+                if (n != width and n in self.last_run and speed[n] * self.revisit_margin >= speed[width]
+                        and self.steps - self.last_run[n] >= self.revisit):
+                    width = n
+                    break
         self.held = self.held + 1 if width == self.width else 1
         self.width = width
+        self.last_run[width] = self.steps
         return width
 
     def observe(self, drafts: int, accepted: int) -> None:

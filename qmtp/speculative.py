@@ -426,8 +426,10 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
 
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
+        # a planner's plain step keeps the head's cache whole unless it gave up drafting for good
+        follows = planner is not None and n == 1 and not planner.plain
         with timer("build"):
-            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled)(state, last, key)
+            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled, follows)(state, last, key)
             mx.async_eval(step[2])
         return n, step
 
@@ -527,17 +529,18 @@ def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_dr
     return {**state, "layers": layers}, (h, last[1], last[2])
 
 
-def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True):
+def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True,
+                   follows: bool = False):
     """`decoding.step` for this model, drafter and settings, compiled once and kept with the model (the
     weights are implicit inputs, read at every call)."""
     steps = model.__dict__.setdefault("_decode_steps", {})
-    key = (id(head) if k else None, k, strategy.key, hidden, record, compiled)
+    key = (id(head) if k or follows else None, k, strategy.key, hidden, record, compiled, follows)
     if key not in steps:
         def run(state, last, rng):
-            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng)
+            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng, follows)
 
         if COMPILE and compiled:
-            implicit = [model.state] + ([head.state] if k and head is not model.mtp else [])
+            implicit = [model.state] + ([head.state] if (k or follows) and head is not model.mtp else [])
             run = mx.compile(run, inputs=implicit)
         steps[key] = run
     return steps[key]

@@ -202,6 +202,7 @@ class CyclingPlanner(adaptive.DraftPlanner):
 
     def choose(self):
         self.width = self.order.pop(0) if self.order else 1
+        self.plain = not self.order  # then plain decoding for good: the head stops
         return self.width
 
 
@@ -221,6 +222,30 @@ def test_switching_widths_between_steps_is_lossless(small_vocab_model, rollback)
             out.extend(step.emitted)
         assert out[:30] == plain
         assert widths[-1] == 1 and len(set(widths)) > 3
+
+
+def test_a_plain_step_that_follows_keeps_the_heads_cache_whole(model):
+    """Width 1 chosen by a learning planner before it gives up drafting: the head still reads each position, so
+    the drafts after such steps are the ones a generation that never stopped drafting makes at the same
+    positions."""
+    from qmtp.speculative import Greedy, decode_steps
+
+    def first_drafts(order, prompt):
+        planner = CyclingPlanner(order)  # its widths 1 before the last: steps whose head follows
+        steps = decode_steps(model, prompt, planner, Greedy(), model.mtp, "post", "record", 40, None, 0)
+        position, drafts = len(next(steps).emitted), {}
+        for step, _ in steps:
+            if step.drafts:
+                drafts[position] = step.drafts[0]  # d_1: the guess for the token after the pending one
+            position += len(step.emitted)
+        return drafts
+
+    for prompt in ([1, 3, 0, 2], [3, 1, 2, 2, 0, 1]):
+        drafting = first_drafts([2] * 40, prompt)
+        interrupted = first_drafts([2, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 2] + [2] * 30, prompt)
+        common = set(drafting) & set(interrupted)
+        assert len(common) >= 20
+        assert all(drafting[p] == interrupted[p] for p in common)
 
 
 def test_planner_chooses_the_most_tokens_per_second():
@@ -275,6 +300,7 @@ def test_planner_starts_from_the_counts_of_the_last_generation(small_vocab_model
     # plain only after plain_after steps
     assert adaptive.DraftPlanner(costs, proposed=[100, 100], accepted=[5, 5]).choose() == 2
     small_vocab_model.__dict__.pop("_draft_counts", None)
+    small_vocab_model.__dict__.pop("_step_costs", None)  # from the prior, which drafts
     qmtp.generate(small_vocab_model, [1, 2], max_tokens=12, n_draft="auto")
     ((proposed, accepted),) = small_vocab_model.__dict__["_draft_counts"].values()
     assert len(proposed) == len(accepted) == max(adaptive.WIDTHS) - 1
@@ -296,10 +322,13 @@ def test_step_costs_price_unmeasured_widths_from_the_measured_ones():
         costs.observe(3, seconds)
     # two widths measured: the line through them prices the others, plain decoding included
     assert costs.prices([1, 2, 3, 4, 5]) == pytest.approx({1: 0.008, 2: 0.010, 3: 0.012, 4: 0.014, 5: 0.016})
-    for _ in range(2):
-        costs.observe(4, 0.009)  # noise tilting the line down: a wider step is never priced cheaper
-    prices = costs.prices([1, 5])
-    assert prices[5] >= prices[1] > 0
+    # a line steepened by noise (width 3 timed in a slow spell): width 1 is priced no lower than half the prior's
+    # ratio below width 2 (not free), and the next width up no higher than the prior's slope above width 3 (so
+    # that it is tried and timed)
+    noisy = adaptive.StepCosts(prior_slope=0.5)
+    for n, seconds in ((2, 0.010), (2, 0.010), (3, 0.030), (3, 0.030)):
+        noisy.observe(n, seconds)
+    assert noisy.prices([1, 4]) == pytest.approx({1: 0.5 * 0.010 / 1.5, 4: 0.030 + 0.5 * 0.010 / 1.5})
 
 
 def simulated_generation(planner, cost, acceptance, steps, rng):
@@ -318,10 +347,12 @@ def simulated_generation(planner, cost, acceptance, steps, rng):
     return widths
 
 
-@pytest.mark.parametrize("acceptance, slope", [(0.85, 0.1), (0.85, 0.5), (0.6, 0.5), (0.85, 1.0)])
+@pytest.mark.parametrize("acceptance, slope", [(0.85, 0.1), (0.85, 0.5), (0.7, 0.3), (0.6, 0.5), (0.3, 0.2),
+                                               (0.85, 1.0)])
 def test_a_learning_planner_is_within_5_percent_of_the_best_fixed_width(acceptance, slope):
     """From nothing (no cost known, no draft seen), 150 steps on a simulated machine reach, on average, 95% of
-    the tokens per second of the best fixed width, exploration included (the best: 5, 3, 2 and plain)."""
+    the tokens per second of the best fixed width, exploration included (the best: 5, 3, 3, 2, 2 and plain;
+    at (0.6, 0.5) plain decoding is 6% slower than width 2, which noise must not make it give up for)."""
 
     def cost(n):
         return 0.01 * (1 + slope * (n - 1))
@@ -330,13 +361,13 @@ def test_a_learning_planner_is_within_5_percent_of_the_best_fixed_width(acceptan
         return adaptive.expected_tokens_per_pass([acceptance] * (n - 1))
 
     best = max(range(1, 6), key=lambda n: tau(n) / cost(n))
-    rng = np.random.default_rng(0)
-    planner = adaptive.DraftPlanner(learned=adaptive.StepCosts())
-    widths = simulated_generation(planner, cost, acceptance, 150, rng)
-    achieved = sum(tau(n) for n in widths) / sum(cost(n) for n in widths)
-    assert achieved >= 0.95 * tau(best) / cost(best), (best, widths)
-    runs = [len(list(g)) for _, g in itertools.groupby(widths[:-1])]
-    assert min(runs) >= planner.run  # a width is kept for a run, so that its steps are timed
+    for seed in range(3):
+        planner = adaptive.DraftPlanner(learned=adaptive.StepCosts())
+        widths = simulated_generation(planner, cost, acceptance, 150, np.random.default_rng(seed))
+        achieved = sum(tau(n) for n in widths) / sum(cost(n) for n in widths)
+        assert achieved >= 0.95 * tau(best) / cost(best), (best, widths)
+        runs = [len(list(g)) for _, g in itertools.groupby(widths)][:-1]  # the last may be cut short
+        assert all(r >= planner.run for r in runs)  # a width is kept for a run, so that its steps are timed
     with pytest.raises(ValueError):
         adaptive.DraftPlanner()
 
@@ -352,4 +383,4 @@ def test_auto_times_its_own_steps_and_carries_them(model):
     assert all(0 < timed[n] < widths.count(n) for n in timed)
     qmtp.generate(model, [3, 2, 1], max_tokens=40, n_draft="auto", stop_at_eos=False)
     assert list(model.__dict__["_step_costs"].values()) == [costs]  # the second generation went on timing it
-    assert sum(map(len, costs.samples.values())) > sum(timed.values())
+    assert costs.timed > sum(timed.values())
