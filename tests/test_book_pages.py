@@ -65,3 +65,20 @@ def test_emoji_become_words():
     doc += nodes.paragraph("", "", nodes.Text("\u2705"), nodes.Text(" and \u274c"))
     run(book_pages.PlainSymbols, doc)
     assert doc.astext() == "passed and failed"
+
+
+def test_bibliography_parses_and_every_cited_key_exists():
+    """A merge once dropped an entry's closing brace: sphinxcontrib-bibtex then fails the whole build at its
+    first step, with a message far from the cause. Every key a page cites must be an entry."""
+    import re
+    from pathlib import Path
+
+    import pybtex.database
+
+    root = Path(__file__).resolve().parents[1]
+    entries = pybtex.database.parse_file(root / "book" / "references.bib").entries
+    pages = [*root.glob("notebooks/*.py"), *root.glob("book/*.md")]
+    cited = {key.strip() for page in pages for keys in re.findall(r"\{cite:[pt]\}`([^`]+)`", page.read_text())
+             for key in keys.split(",")}
+    cited -= {"%s"}  # a format string that builds citations from qmtp.book.published
+    assert cited and not cited - set(entries), sorted(cited - set(entries))
