@@ -316,13 +316,11 @@ glue(
 
 # %%
 glue("blas_used", blas.describe(), display=False)
+glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
+glue("real_hidden", f"{qmtp.QWEN36_35B_A3B.hidden_size:,}", display=False)
+glue("real_experts", qmtp.QWEN36_35B_A3B.num_experts, display=False)
 if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
-    nan = {"tokens_per_second": float("nan")}
-    versus = {
-        "engines": {"qmtp": nan, "mlx-lm": nan},
-        "ratio": float("nan"),
-        "same_tokens": True,
-    }
+    versus = bench.not_compared()
     print("mlx-lm is not loaded at full size")
 else:
     versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
@@ -392,18 +390,14 @@ glue("vlm_line", vlm_line, display=False)
 #
 # ## At the real widths: qmtp and mlx-lm
 #
-# The same comparison on four layers at the real widths, with all 256 experts and the vocabulary of 248,320
+# The same comparison on four layers at the real widths, with all {glue:text}`real_experts` experts and the vocabulary of {glue:text}`real_vocab`
 # (`bench.real_width_model`, as in {doc}`06_throughput`), decoded by qmtp and by mlx-lm's own model code
 # holding the same arrays, quantized the same way (`bench.mlx_lm_twin`). With `QMTP_MODEL` at the full-size
 # release the comparison is not run (mlx-lm would hold a second whole model).
 
 # %%
 if FULL:
-    wide = {
-        "engines": {"qmtp": nan, "mlx-lm": nan},
-        "ratio": float("nan"),
-        "same_tokens": True,
-    }
+    wide = bench.not_compared()
     print("not run at full size")
 else:
     real = bench.real_width_model()
@@ -434,7 +428,7 @@ glue(
 # At the real widths qmtp decodes {glue:text}`wide_qmtp:.2f` tokens/s and mlx-lm
 # {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens. Both engines spend their time
 # in the same MLX kernel, the CPU's quantized matrix product, whose cost on this machine {doc}`06_throughput`
-# measured; lm_head alone, 248,320 rows of 2,048 weights, is one such product per token. qmtp's one addition
+# measured; lm_head alone, {glue:text}`real_vocab` rows of {glue:text}`real_hidden` weights, is one such product per token. qmtp's one addition
 # there is `qmtp.cores`: lm_head cut into blocks of rows computed on separate CPU streams, so on separate
 # cores, with exactly the same logits (`QMTP_CORES=1` turns it off).
 #

@@ -62,6 +62,16 @@ glue("release_f32", release["loaded GiB, float32"], display=False)
 glue("release_bf16", release["loaded GiB, bf16"], display=False)
 glue("q4_gb", widths[-1]["disk GB"], display=False)
 glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
+glue("q4_bf16", widths[-1]["loaded GiB, bf16"], display=False)
+glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
+
+GIB = 2**30
+glue("release_fits_f32", budget.machines_phrase(budget.fitting(release["loaded GiB, float32"] * GIB)),
+     display=False)
+glue("release_fits_bf16", budget.machines_phrase(budget.fitting(release["loaded GiB, bf16"] * GIB)),
+     display=False)
+macs = budget.fitting(widths[-1]["loaded GiB, bf16"] * GIB, machines=(16, 24, 32, 48, 64, 96, 128))
+glue("q4_fits_mac", f"a Mac with {macs[0]} GB of memory or more", display=False)
 glue("runtime_gb", budget.RUNTIME_GB, display=False)
 glue("fixes_loads", budget.FIXES_LOADS, display=False)
 # one conversion per trunk width, one per head width, and the 6-bit one of the fault
@@ -82,7 +92,8 @@ Markdown(inventory.markdown_table(widths, list(widths[0]), one_decimal))
 
 # %% [markdown]
 # The release itself ({glue:text}`release_f32:.0f` GiB in float32, {glue:text}`release_bf16:.0f` GiB in
-# bfloat16) fits neither machine in float32, and only the 128 GB one in bfloat16. A conversion with a 4-bit
+# bfloat16) fits {glue:text}`release_fits_f32` in float32 and {glue:text}`release_fits_bf16` in bfloat16
+# (with the runtime). A conversion with a 4-bit
 # trunk and the head in bf16 is {glue:text}`q4_gb:.1f` GB on disk and {glue:text}`q4_f32:.1f` GiB loaded: that
 # is the model to decode with on either machine.
 #
@@ -107,9 +118,7 @@ glue("budget_bits", budget.BITS, display=False)
 glue("plan_minutes", sum(r["minutes"] for r in plan), display=False)
 glue("plan_peak", peak, display=False)
 glue("plan_disk", release["disk GB"] + sum(r["disk GB"] for r in plan), display=False)
-fitting = [f"{m} GB" for m in budget.MACHINES_GB
-           if budget.fits(peak * 2**30, m, runtime=False)]
-glue("plan_fits", " and ".join(fitting) or "neither", display=False)
+glue("plan_fits", budget.machines_phrase(budget.fitting(peak * GIB, runtime=False)), display=False)
 glue("measured_layers", seconds["measured_layers"], display=False)
 glue("measured_ms", seconds["first_layers"] * 1e3, display=False)
 glue("full_pass_s", seconds["full"], display=False)
@@ -122,15 +131,15 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # "memory GiB" is the chapter's peak: the largest set of weights it holds at once and
 # {glue:text}`runtime_gb:.1f` GiB for the runtime and the transient copies of the largest tensors (what the
 # budgeted chapters 2 to 4 were measured to need on a full-size checkpoint, `tests/test_full_size.py`); "disk GB"
-# is what it writes. Under the budget the book peaks at {glue:text}`plan_peak:.1f` GiB, which fits a
-# {glue:text}`plan_fits` machine, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
+# is what it writes. Under the budget the book peaks at {glue:text}`plan_peak:.1f` GiB, which fits
+# {glue:text}`plan_fits`, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
 #
 # **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
 # the machine that built this page (named above). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
 # layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
 # {glue:text}`head_draft_ms:.0f` ms (a draft is one layer, but it ends in `lm_head`, the product with all
-# 248,320 rows of the vocabulary, which a pass of only a few layers pays once too); scaled by the bytes each reads, a pass of the whole 4-bit model would take
-# {glue:text}`full_pass_s:.1f` s. A pass over n positions is priced as n passes (on this CPU it costs that much,
+# {glue:text}`real_vocab` rows of the vocabulary, which a pass of only a few layers pays once too); scaled by
+# the bytes each reads, a pass of the whole 4-bit model would take {glue:text}`full_pass_s:.1f` s. A pass over n positions is priced as n passes (on this CPU it costs that much,
 # chapter 6), and reading weights from disk at an assumed {glue:text}`disk_rate:.0f` GB/s. On a machine whose
 # passes follow their bytes (Apple silicon, a GPU) the passes take a small fraction of that.
 #
@@ -144,9 +153,9 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 #
 # MLX computes on its default device: the GPU on Apple silicon (Metal), and on a CUDA or ROCm build of MLX,
 # the accelerator. There qmtp keeps the weights that are not quantized in bfloat16 (`qmtp.load` picks float32
-# only on the CPU, whose expert kernel computes only in float32), so the 4-bit conversion takes about its
-# {glue:text}`q4_gb:.0f` GB on disk in memory too, plus the runtime: it fits a 32 GB Mac, and a 24 GB one
-# only tightly. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
+# only on the CPU, whose expert kernel computes only in float32), so the 4-bit conversion takes
+# {glue:text}`q4_bf16:.1f` GiB loaded, and with the runtime's {glue:text}`runtime_gb:.1f` GiB it fits
+# {glue:text}`q4_fits_mac`. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
 # against a float64 reference before you trust their numbers.
 #
 # ## Five lines

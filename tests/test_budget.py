@@ -77,3 +77,13 @@ def test_machine_line_names_cpu_os_mlx_and_blas():
     assert info["cores"] >= 1 and info["mlx"] == mx.__version__
     for part in (info["cpu"], f"MLX {info['mlx']}", info["backend"], "BLAS"):
         assert part in line
+
+
+def test_fitting_machines_are_named_as_the_prose_says():
+    gib = 2**30
+    assert budget.fitting(100 * gib, machines=(64, 128), runtime=False) == [128]
+    assert budget.fitting(10 * gib, machines=(128, 64), runtime=False) == [64, 128]
+    assert budget.fitting(200 * gib) == []
+    assert budget.machines_phrase([128]) == "a 128 GB machine"
+    assert budget.machines_phrase([64, 128]) == "a 64 GB or a 128 GB machine"
+    assert budget.machines_phrase([]) == "neither machine"

@@ -140,6 +140,13 @@ def decode(model: Model, prompts: list, max_tokens: int = 64, repeats: int = 5, 
     }
 
 
+def not_compared() -> dict:
+    """What `decode` returns for a comparison a budget skips (a second whole model at full size): every speed
+    NaN, so the chapters' glued numbers say so instead of inventing one."""
+    nan = {"tokens_per_second": float("nan")}
+    return {"engines": {"qmtp": nan, "mlx-lm": nan}, "ratio": float("nan"), "same_tokens": True}
+
+
 def decode_table(report: dict) -> str:
     head = f"{'engine':>8} {'tok/s':>8} {'(min-max)':>17}"
     lines = [head, "-" * len(head)]

@@ -107,6 +107,18 @@ def fits(loaded: int, machine_gb: int, runtime: bool = True) -> bool:
     return loaded + (RUNTIME_GB * 2**30 if runtime else 0) <= machine_gb * 2**30
 
 
+def fitting(loaded: int, machines=MACHINES_GB, runtime: bool = True) -> list[int]:
+    """The machines (GiB) among `machines` that hold `loaded` bytes, smallest first."""
+    return sorted(m for m in machines if fits(loaded, m, runtime))
+
+
+def machines_phrase(machines: list[int]) -> str:
+    """`fitting`'s answer as the prose says it: "a 128 GB machine", "a 64 GB or a 128 GB machine", "neither machine"."""
+    if not machines:
+        return "neither machine"
+    return " or a ".join(f"{m} GB" for m in machines).join(("a ", " machine"))
+
+
 def widths_table(config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
     """The full-size model at each width: GB on disk, GiB loaded (float32, and bfloat16 as qmtp falls back to), and
     how each machine of `MACHINES_GB` holds it."""
