@@ -29,6 +29,7 @@ __all__ = [
     "load",
 ]
 
+from .sampling import Sampling  # noqa: E402
 from .speculative import Generation, Stats, generate  # noqa: E402
 
-__all__ += ["Generation", "Stats", "generate"]
+__all__ += ["Generation", "Sampling", "Stats", "generate"]

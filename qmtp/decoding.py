@@ -34,6 +34,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .config import LINEAR
+from .sampling import Sampling, one_hot, penalise, warp
 
 MIN_CAPACITY = 64
 
@@ -106,22 +107,33 @@ CHAINS = ("post", "pre")  # a chained draft fed the head's output after its own 
 
 
 # ---- acceptance: greedy, or rejection sampling ------------------------------------------------------------
+# `history`, where a strategy needs one (penalties): (counts [n, V], prompt_seen [V]), how often each token
+# was generated before each of the n positions scored (the drafts before it included) and the prompt's
+# tokens; None otherwise, and then nothing about the history is computed or carried.
 class Greedy:
-    """Drafts and the trunk's tokens are argmaxes; a draft is kept while it equals the trunk's choice."""
+    """Drafts and the trunk's tokens are argmaxes; a draft is kept while it equals the trunk's choice.
+    With penalties (`Sampling`), argmaxes of the penalised logits, each position with its own history."""
 
-    key = ("greedy",)
     random = False
 
-    def pick(self, logits: mx.array, key: mx.array):
+    def __init__(self, sampling: Sampling | None = None):
+        self.sampling = sampling if sampling is not None and sampling.penalised else None
+        self.history = self.sampling is not None
+        self.key = ("greedy",) if self.sampling is None else ("greedy", self.sampling.key)
+
+    def _scores(self, logits, history):
+        return logits if history is None else penalise(logits, *history, self.sampling)
+
+    def pick(self, logits: mx.array, key: mx.array, history=None):
         """A token [1] from logits [1, V], and what the acceptance needs of its
         distribution (nothing here)."""
-        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+        return mx.argmax(self._scores(logits, history), axis=-1).astype(mx.int32), None
 
     def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
-               key: mx.array):
+               key: mx.array, history=None):
         """Drafts [k], verify logits [k + 1, V] -> (accepted drafts, the trunk's next
         token [1])."""
-        choices = mx.argmax(logits, axis=-1).astype(mx.int32)
+        choices = mx.argmax(self._scores(logits, history), axis=-1).astype(mx.int32)
         if drafts.size:
             agree = (drafts == choices[:-1]).astype(mx.int32)
             accepted = mx.cumprod(agree).sum()
@@ -131,27 +143,35 @@ class Greedy:
 
 
 class Rejection:
-    """Sampling at `temperature`: draft d ~ q, kept with probability min(1, p(d) / q(d)); at the first
-    rejection the next token is drawn from max(0, p - q) renormalised, after all k from p (Leviathan et al.
-    2023). The tokens have exactly the distribution of sampling the trunk alone."""
+    """Sampling (`Sampling`, or a temperature alone): draft d ~ q, kept with probability min(1, p(d) / q(d));
+    at the first rejection the next token is drawn from max(0, p - q) renormalised, after all k from p
+    (Leviathan et al. 2023). p and q are the processed distributions (`qmtp.sampling`: penalties,
+    temperature, top-k, top-p, min-p) of the trunk's and the head's logits, each position with its own
+    history, so the tokens have exactly the distribution of sampling the trunk alone with those settings."""
 
-    def __init__(self, temperature: float):
-        # Below float32's smallest normal a temperature divides to inf (and the max logit to NaN); at that
-        # scale the distribution is already the argmax.
-        self.temperature = max(float(temperature), 1.2e-38)
-        self.key = ("sample", self.temperature)
-        self.random = True
+    random = True
 
-    def _distribution(self, logits):
-        return mx.softmax((logits - logits.max(axis=-1, keepdims=True)) / self.temperature, axis=-1)
+    def __init__(self, sampling: Sampling | float):
+        if not isinstance(sampling, Sampling):
+            sampling = Sampling(temperature=float(sampling))
+        self.sampling = sampling
+        self.temperature = sampling.temperature
+        self.history = sampling.penalised
+        plain = not (sampling.penalised or sampling.filtered)
+        self.key = ("sample", self.temperature) if plain else ("sample", sampling.key)
 
-    def pick(self, logits: mx.array, key: mx.array):
-        q = self._distribution(logits)
+    def _distribution(self, logits, history=None):
+        if history is not None:
+            logits = penalise(logits, *history, self.sampling)
+        return mx.softmax(warp(logits, self.sampling), axis=-1)
+
+    def pick(self, logits: mx.array, key: mx.array, history=None):
+        q = self._distribution(logits, history)
         return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q[0]
 
     def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
-               key: mx.array):
-        p = self._distribution(logits)  # [k + 1, V]
+               key: mx.array, history=None):
+        p = self._distribution(logits, history)  # [k + 1, V]
         k = drafts.size
         test_key, draw_key = mx.random.split(key)
         accepted, residual = mx.array(0), p
@@ -167,9 +187,14 @@ class Rejection:
         return accepted, mx.random.categorical(mx.log(row), key=draw_key).astype(mx.int32)
 
 
+def strategy_for(sampling: Sampling):
+    """Greedy at temperature 0 (penalties still apply), rejection sampling otherwise."""
+    return Greedy(sampling) if sampling.greedy else Rejection(sampling)
+
+
 # ---- one step: draft, verify, accept, roll back -----------------------------------------------------------
 def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str = "keep",
-          chain: str = "post"):
+          chain: str = "post", history=None):
     """k drafts [1, k] from the head, their distributions, and the head's new buffers
     and offset.
 
@@ -182,7 +207,9 @@ def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str
     the head reads only the position it drafts from (and its own chained drafts), so its
     attention sees none of the text before. chain="pre" feeds a chained draft the head's
     output before its own final norm (ik_llama.cpp before its PR 1815), "post" after it
-    (vLLM, SGLang). Both change the drafts only: verification keeps the output exact."""
+    (vLLM, SGLang). Both change the drafts only: verification keeps the output exact.
+    `history` (penalties): (the counts before d_1 [V], prompt_seen); each draft's counts
+    add the drafts before it."""
     hidden, next_tokens, keep = last
     last_kept = (keep - 1).reshape(1)
     offset = state["head_offset"] + keep
@@ -199,9 +226,11 @@ def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str
         at = offset
     drafts, dists, finite = [], [], []
     keys = mx.random.split(key, k) if strategy.random else [key] * k
+    counts = history[0][None] if history is not None else None
     for i, draft_key in enumerate(keys):
         logits = model.logits(z)[:, -1].astype(mx.float32)
-        d, dist = strategy.pick(logits, draft_key)
+        seen = None if counts is None else (counts, history[1])
+        d, dist = strategy.pick(logits, draft_key, seen)
         drafts.append(d)
         dists.append(dist)
         finite.append(mx.isfinite(logits).all().reshape(1))
@@ -211,6 +240,8 @@ def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str
             fed = z if chain == "post" else z_pre
             z_pre, z, buffers = head_states(model, head, fed, d.reshape(1, 1), buffers,
                                             at + i)
+            if counts is not None:
+                counts = counts + one_hot(d, counts.shape[-1])
     drafts = mx.concatenate(drafts).reshape(1, k)
     if head_cache == "reset":  # the kept cache is left as it was: nothing reads it
         buffers = state["head"]
@@ -246,16 +277,28 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     _, next_tokens, keep = last
     pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
     new_state = {}
+    history = None
+    if strategy.history:  # the pending token is generated: every position scored here counts it
+        vocab = state["counts"].shape[-1]
+        history = (state["counts"] + one_hot(pending, vocab)[0], state["prompt_seen"])
     if k:
         drafts, dists, drafts_finite, head_buffers, head_offset = draft(
-            model, head, k, strategy, state, last, draft_key, head_cache, chain)
+            model, head, k, strategy, state, last, draft_key, head_cache, chain, history)
         new_state["head"], new_state["head_offset"] = head_buffers, head_offset
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
         dists, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
     pre, post, logits, experts, layers = verify(model, tokens, state, record)
-    accepted, next_token = strategy.accept(tokens[0, 1:], dists, logits, accept_key)
+    rows = None
+    if history is not None:  # position j follows pending, d_1..d_j
+        counts = state["counts"][None] + mx.cumsum(one_hot(tokens[0], vocab), axis=0)
+        rows = (counts, history[1])
+    accepted, next_token = strategy.accept(tokens[0, 1:], dists, logits, accept_key,
+                                           rows)
     keep = accepted + 1
+    if history is not None:  # the kept tokens enter the cache: pending, d_1..d_accepted
+        new_state["counts"] = mx.take(counts, accepted.reshape(1), axis=0)[0]
+        new_state["prompt_seen"] = history[1]
     new_state["layers"] = roll_back(model, layers, keep, record)
     new_state["offset"] = state["offset"] + keep
     # The head's input for the kept positions: the token after each (an accepted draft,

@@ -35,6 +35,8 @@ from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model, release_at_thread_exit
 from .mtp import MTPHead
+from .sampling import Sampling
+from .sampling import resolve as resolve_sampling
 
 MAX_N_DRAFT = 8
 
@@ -300,7 +302,7 @@ def generate(
     prompt=None,
     max_tokens: int = 64,
     n_draft: int = 1,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     seed: int = 0,
     head=None,
     hidden: str = "post",
@@ -317,6 +319,13 @@ def generate(
     enable_thinking: bool | None = None,
     chat_template_kwargs: dict | None = None,
     stop=None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    sampling: Sampling | str | None = None,
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids), or after `messages`
     rendered by the model's chat template.
@@ -328,7 +337,21 @@ def generate(
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
             the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
-        temperature: 0 for greedy; otherwise rejection sampling keeps exactly the trunk's distribution.
+        temperature: 0 (the default) for greedy; otherwise rejection sampling keeps exactly the trunk's
+            distribution, processed as below.
+        top_k, top_p, min_p: filters after the temperature: the k most likely tokens (0: all), the smallest
+            set of most likely tokens whose probability reaches p (1: all), the tokens at least min_p times as
+            likely as the most likely (0: all). Greedy decoding is unchanged by them.
+        presence_penalty, frequency_penalty: subtracted from the logit of a token once if it was GENERATED
+            before (presence) and once per time it was (frequency), as vLLM and the OpenAI API count them:
+            the prompt's tokens are not counted.
+        repetition_penalty: as transformers applies it, to every token of the prompt AND the generated text:
+            its logit divided by the penalty when positive, multiplied when negative (1: none).
+            The penalties apply before the temperature, also when greedy (the argmax of the penalised
+            logits), each position seeing the tokens before it, drafts included (`qmtp.sampling`).
+        sampling: the settings in one argument: None (greedy, no penalty), "model" (the checkpoint's
+            generation_config.json: temperature, top_k, top_p, ... as its card recommends), or a
+            `qmtp.Sampling`; the keyword arguments above, where given, replace its fields.
         head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); default model.mtp.
         hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
             the state before it.
@@ -355,7 +378,11 @@ def generate(
     """
     prompt_tokens = _chat_prompt(model, prompt, messages, enable_thinking, chat_template_kwargs)
     stops = _stop_strings(model, stop)
-    _check_types(max_tokens, n_draft, temperature)
+    _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
+    settings = resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty)
+    temperature = settings.temperature
     # numpy integers are integers: as Python ints from here (range checks, bit_length, MLX's arguments)
     max_tokens, n_draft = int(max_tokens), (n_draft if isinstance(n_draft, str) else int(n_draft))
     if on_tokens is not None and not callable(on_tokens):  # else found only after the prefill
@@ -379,7 +406,7 @@ def generate(
     k = widest - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
     recorder = ExpertRecorder() if track_experts else None
-    strategy = Greedy() if temperature == 0 else Rejection(temperature)
+    strategy = decoding.strategy_for(settings)
     planner = None
     if n_draft == "auto":
         started = time.perf_counter()
@@ -546,7 +573,15 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     state["offset"] = mx.array(len(prompt_tokens), mx.int32)
     # lm_head on the last position only: the prompt's other scores are never used
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
-    first, _ = strategy.pick(logits, key)
+    history = None
+    if strategy.history:  # penalties: what was generated (nothing yet) and the prompt's tokens
+        vocab = logits.shape[-1]
+        state["counts"] = mx.zeros((vocab,), mx.float32)
+        seen = np.zeros(vocab, np.bool_)
+        seen[prompt_tokens] = True
+        state["prompt_seen"] = mx.array(seen)
+        history = (state["counts"][None], state["prompt_seen"])
+    first, _ = strategy.pick(logits, key, history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
@@ -606,7 +641,6 @@ def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bo
             run = mx.compile(run, inputs=implicit)
         steps[key] = run
     return steps[key]
-
 
 
 def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_tokens: list[int],
