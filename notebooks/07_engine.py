@@ -170,12 +170,15 @@ fig = plots.step_profile(report)
 # both. The acceptance at each draft position is counted from the drafts proposed and kept, carried from one
 # generation to the next and faded step by step, each rate pulled towards the rate of the position before it:
 # at width w the positions past w - 1 are never proposed, and a low rate seen there once, if it were kept,
-# would shut every wider width out for good. The cost of a step at each width is timed once per model, each
-# width's compiled step pipelined as the decoding loop runs it, in short interleaved rounds until the widths'
-# relative costs are known to a few percent: a shared machine does not keep one speed from one second to the
-# next, and the choice between neighbouring widths turns on a few percent. Each step then takes the
-# width with the most expected tokens per second, $\tau(k)/c(k+1)$, with $\tau$ the tokens per pass of the
-# section on speedup, and falls back to plain
+# would shut every wider width out for good. Nothing is timed before the first token: the cost of a step
+# at each width is learned from the steps the loop runs anyway, the interval between reading one step's
+# tokens and the next's where both steps have the same width (the loop queues a step before it reads the one
+# before, so beside a change of width an interval is partly its neighbour's). A width is kept for a few steps
+# once chosen, so that its steps are timed; a width not yet run is priced by the line through the measured
+# ones, so the planner moves to a neighbour only when what it has measured says that pays, and compiles each
+# width when it first uses it. The costs stay with the model, and each generation refines them. Each step
+# then takes the width with the most expected tokens per second, $\tau(k)/c(k+1)$, with $\tau$ the tokens
+# per pass of the section on speedup, and falls back to plain
 # decoding for good when drafting stops paying. It ran in the same rounds as the fixed widths above:
 
 # %%
@@ -198,7 +201,8 @@ glue("auto_vs_plain", auto["speedup_vs_plain"], display=False)
 glue("auto_vs_best", auto["over_best_fixed"], display=False)
 glue("auto_best_n", auto["best_fixed_n_draft"], display=False)
 glue("auto_tokens_per_pass", auto["tokens_per_trunk_pass"], display=False)
-glue("auto_calibration_ms", auto["calibration_seconds"] * 1e3, display=False)
+glue("auto_first_token_ms", auto["first_token_seconds"] * 1e3, display=False)
+glue("auto_first_token_ratio", auto["first_token_over_plain"], display=False)
 glue(
     "auto_verdict",
     (
@@ -214,9 +218,10 @@ glue(
 # %% [markdown]
 # With `auto`, decoding ran at {glue:text}`auto_tps:.0f` tokens/s, {glue:text}`auto_vs_plain:.2f`x plain
 # decoding and {glue:text}`auto_vs_best:.2f`x the best fixed width (`n_draft` = {glue:text}`auto_best_n`),
-# {glue:text}`auto_tokens_per_pass:.2f` tokens per pass: {glue:text}`auto_verdict`. Timing the widths cost
-# {glue:text}`auto_calibration_ms:.0f` ms once, before the first generation (not counted in its tokens per
-# second). The fixed widths' speeds are those of the same rounds, so part of any gap is the machine's noise.
+# {glue:text}`auto_tokens_per_pass:.2f` tokens per pass: {glue:text}`auto_verdict`. Its first token came
+# {glue:text}`auto_first_token_ms:.1f` ms after the call, {glue:text}`auto_first_token_ratio:.2f` times plain
+# decoding's (medians over the rounds): it times nothing before it. The fixed widths' speeds are those of the
+# same rounds, so part of any gap is the machine's noise.
 #
 # ## What the lean loop buys
 #

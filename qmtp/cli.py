@@ -88,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--n-draft", type=_n_draft, default=None, metavar="N|auto",
                       help="tokens per trunk pass counting the trunk's own (2 = one head draft; auto: chosen per "
                            "step); needs --use-mtp")
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="0: greedy (default: the model's generation_config.json, else greedy)")
+    # The sampler: the model's generation_config.json settings unless these override them
+    chat.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    chat.add_argument("--top-p", type=float, default=None, help="keep the most likely tokens up to this mass")
+    chat.add_argument("--min-p", type=float, default=None, help="drop tokens below this share of the most likely")
+    chat.add_argument("--presence-penalty", type=float, default=None, help="per token generated before")
+    chat.add_argument("--frequency-penalty", type=float, default=None, help="per time a token was generated")
+    chat.add_argument("--repetition-penalty", type=float, default=None,
+                      help="on tokens of the prompt and the generated text (1: none)")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin, each line a "
@@ -509,9 +518,22 @@ def _check_chat_flags(args) -> None:
         _utf8_argument(stop, "--stop")
 
 
+def _describe_sampling(settings) -> str:
+    """The settings that differ from greedy decoding without penalties, as name=value."""
+    from dataclasses import fields
+
+    from .sampling import Sampling
+
+    default = Sampling()
+    return ", ".join(f"{f.name}={getattr(settings, f.name):g}" for f in fields(settings)
+                     if getattr(settings, f.name) != getattr(default, f.name))
+
+
 def chat(args) -> int:
     from . import chat as chat_mod
     from .loading import load
+    from .sampling import Sampling
+    from .sampling import resolve as resolve_sampling
     from .speculative import MAX_N_DRAFT, generate
 
     # Flags and prompt first: loading the real model takes a minute, and its warnings should not come first.
@@ -525,6 +547,10 @@ def chat(args) -> int:
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
         raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
     _check_chat_flags(args)
+    flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 repetition_penalty=args.repetition_penalty)
+    Sampling(**{k: v for k, v in flags.items() if v is not None})  # a bad flag is refused before the load
     n_draft = args.n_draft if args.use_mtp else 1
     if _ranked(args):
         return _start_ranks(args)
@@ -541,10 +567,11 @@ def chat(args) -> int:
                          f"tokenizer_config.json); add --raw to feed the prompt as plain text")
     ends = chat_mod.end_ids(model)
     stops = tuple(args.stop or ())
+    sampling = resolve_sampling(model, "model", **flags)
     prompts = [_utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else _stdin_prompts()
     if group is not None and args.prompt is None:  # rank 0 reads them, every rank runs each turn
         prompts = _shared_prompts(group, prompts)
-    settings = dict(max_tokens=args.max_tokens, n_draft=n_draft, temperature=args.temperature, seed=args.seed,
+    settings = dict(max_tokens=args.max_tokens, n_draft=n_draft, sampling=sampling, seed=args.seed,
                     stop=stops or None)
     if args.raw:
         for prompt in prompts:
@@ -552,7 +579,7 @@ def chat(args) -> int:
             text = TextStream(model.tokenizer, ends, stops)
             g = _streamed(lambda: generate(model, prompt, on_tokens=text.add, **settings))
             text.finish(g.text)
-            _report(g, n_draft)
+            _report(g, n_draft, sampling)
         return 0
     # The conversation: each turn re-reads the whole history (its earlier thinking dropped or kept by the template)
     opening = [{"role": "system", "content": args.system}] if args.system is not None else []
@@ -573,7 +600,7 @@ def chat(args) -> int:
         if thinking:
             reply["reasoning_content"] = thinking
         history = messages + [reply]
-        _report(g, n_draft)
+        _report(g, n_draft, sampling)
     return 0
 
 
@@ -586,8 +613,10 @@ def _streamed(run):
         raise
 
 
-def _report(g, n_draft) -> None:
-    """The generation's statistics, one line on stderr."""
+def _report(g, n_draft, sampling) -> None:
+    """The generation's statistics, and the sampling settings that are not greedy's, one line on stderr."""
+    from .sampling import Sampling
+
     s = g.stats
     line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s, after a prompt of {s.prompt_tokens}"
     if n_draft != 1:
@@ -597,6 +626,8 @@ def _report(g, n_draft) -> None:
         if s.nonfinite_drafts:  # rejected or not, the tokens are the trunk's: say why drafting fails
             line += (f", {s.nonfinite_drafts} drafts from NaN/Inf head logits (the MTP head's weights are "
                      f"damaged: `python -m qmtp doctor MODEL --scan`)")
+    if sampling != Sampling():  # from generation_config.json, or the flags: say which were used
+        line += f", sampling {_describe_sampling(sampling)}"
     print(line + "]", file=sys.stderr, flush=True)
 
 

@@ -104,6 +104,7 @@ def head_states(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx
 # The engines' choices that `draft` can make, as options (chapter 5 measures what each costs):
 HEAD_CACHES = ("keep", "reset")  # the head's KV cache kept across steps, or emptied at every step
 CHAINS = ("post", "pre")  # a chained draft fed the head's output after its own final norm, or before it
+DRAFTING = (HEAD_CACHES[0], CHAINS[0])  # the defaults: vLLM's and SGLang's
 
 
 # ---- acceptance: greedy, or rejection sampling ------------------------------------------------------------
@@ -248,6 +249,14 @@ def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str
     return drafts, dists, mx.concatenate(finite), buffers, offset
 
 
+def follow(model, head, state: dict, last):
+    """The head reads the kept positions of the last pass into its cache and drafts nothing: a plain step
+    after which drafting can resume (its cache misses no position). The head's new buffers and offset."""
+    hidden, next_tokens, keep = last
+    _, buffers = head_step(model, head, hidden, next_tokens, state["head"], state["head_offset"])
+    return buffers, state["head_offset"] + keep
+
+
 def verify(model, tokens: mx.array, state: dict, record: bool):
     """One trunk pass over [pending, d_1..d_k]: (pre-norm and post-norm states, logits [k + 1, V], experts,
     the layers' states)."""
@@ -260,7 +269,7 @@ def roll_back(model, layers: list, keep: mx.array, record: bool) -> list:
 
 
 def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, last,
-         key, head_cache: str = "keep", chain: str = "post"):
+         key, head_cache: str = "keep", chain: str = "post", follows: bool = False):
     """One trunk pass and the drafts it checks: (new state, what the next step needs,
     the report [pending, d_1..d_k, next, keep, finite, draft_finite_1..k] as int32,
     experts per layer, new key).
@@ -269,7 +278,8 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     `keep`, the kept tokens were chosen from NaN or Inf (damaged weights), which the
     host learns in the same read as the tokens. `draft_finite_i` is 0 where the head's
     logits for d_i were not finite (such a draft is an arbitrary token, which
-    verification treats like any other)."""
+    verification treats like any other). With k = 0 and `follows`, the head still reads
+    the last pass (`follow`), so that a later step can draft."""
     if strategy.random:
         key, draft_key, accept_key = mx.random.split(key, 3)
     else:
@@ -288,6 +298,8 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
         dists, tokens, drafts_finite = [], pending, mx.zeros((0,), mx.bool_)
+        if follows:
+            new_state["head"], new_state["head_offset"] = follow(model, head, state, last)
     pre, post, logits, experts, layers = verify(model, tokens, state, record)
     rows = None
     if history is not None:  # position j follows pending, d_1..d_j

@@ -53,7 +53,8 @@ class Sampling:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise UsageError(f"{f.name}={value!r:.40} must be a finite number")
+                at_least = " >= 0" if f.name == "temperature" else ""
+                raise UsageError(f"{f.name}={value!r:.40} must be a finite number{at_least}")
             # numpy scalars as Python numbers: they are baked into compiled steps and keys
             object.__setattr__(self, f.name, float(value) if f.name != "top_k" else value)
         if self.temperature < 0:

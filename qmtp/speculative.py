@@ -59,7 +59,7 @@ class Stats:
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
     prefill_seconds: float = 0.0
-    calibration_seconds: float = 0.0  # n_draft="auto": timing each width's step (once per model and drafter)
+    first_token_seconds: float = 0.0  # from the call to the first new token: checks, prefill, its sampling
     decode_seconds: float = 0.0  # from the first token to the last (the passes overlap: not split by phase)
     experts_per_pass: list[list[int]] = field(default_factory=list)  # per verify pass, per layer: distinct experts
     steps: list[Step] = field(default_factory=list)
@@ -116,6 +116,7 @@ class Stats:
             "tokens_per_trunk_pass": self.tokens_per_trunk_pass,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,
+            "first_token_seconds": self.first_token_seconds,
             "decode_seconds": self.decode_seconds,
             "nonfinite_drafts": self.nonfinite_drafts,
         }
@@ -376,6 +377,7 @@ def generate(
         stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
         stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
     """
+    called = time.perf_counter()
     prompt_tokens = _chat_prompt(model, prompt, messages, enable_thinking, chat_template_kwargs)
     stops = _stop_strings(model, stop)
     _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
@@ -409,14 +411,13 @@ def generate(
     strategy = decoding.strategy_for(settings)
     planner = None
     if n_draft == "auto":
-        started = time.perf_counter()
-        costs = step_costs(model, drafter, strategy, hidden, rollback, prompt_tokens, max_tokens,
-                           drafting=(head_cache, chain))
-        stats.calibration_seconds = time.perf_counter() - started
-        # the acceptance counted by the last generation with this drafter is where this one starts
+        # the acceptance counted and the step costs timed by the last generations with this drafter and these
+        # settings are where this one starts (nothing is timed before the first token)
         carried = model.__dict__.setdefault("_draft_counts", {})
         proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
-        n_draft = planner = DraftPlanner(costs, proposed=proposed, accepted=accepted)
+        costs = model.__dict__.setdefault("_step_costs", {}).setdefault(
+            (id(drafter), strategy.key, hidden, rollback, head_cache, chain), adaptive.StepCosts())
+        n_draft = planner = DraftPlanner(learned=costs, proposed=proposed, accepted=accepted)
 
     out: list[int] = []
     started = time.perf_counter()
@@ -458,6 +459,7 @@ def generate(
     out.extend(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
     stopped = at_stop()
+    stats.first_token_seconds = time.perf_counter() - called
     stream()
     started = time.perf_counter()
     for step, experts in ([] if stopped else steps):
@@ -516,7 +518,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     rollback="replay" the host must know what was kept before it can build the next pass."""
     planner = n_draft if isinstance(n_draft, DraftPlanner) else None
     eos = _end_set(eos)
-    widest = max(planner.costs) if planner else n_draft
+    widest = max(planner.widths) if planner else n_draft
     record = rollback == "record" and widest > 1
     capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
     key = mx.random.key(seed)
@@ -531,13 +533,17 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
 
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
+        # a planner's plain step keeps the head's cache whole unless it gave up drafting for good
+        follows = planner is not None and n == 1 and not planner.plain
         with timer("build"):
-            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled, drafting)(
+            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled, drafting, follows)(
                 state, last, key)
             mx.async_eval(step[2])
         return n, step
 
+    agree = parallel.rank0_decides(model.shard) if planner else None
     queued = queue(state, last, key)
+    read_at, previous = None, None  # when the last step's tokens were read; its (width, next step's width)
     while True:
         before = state
         n, (state, last, report, experts, key) = queued
@@ -546,6 +552,17 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             queued = queue(state, last, key)  # this pass cannot end the generation
         with timer("sync"):
             report = report.tolist()
+        if planner:
+            # One step's cost: the interval since the last read, when the step read then had this width and
+            # the same one queued behind it (or none, both times). A step queued before the read runs partly
+            # inside the interval, so beside a change of width (or of queueing) it would time a neighbour.
+            now, this = time.perf_counter(), (n, queued[0] if queued else None)
+            if this == previous:
+                seconds = now - read_at
+                if agree is not None:  # ranks time steps differently, and must choose the same widths
+                    seconds = agree(seconds)
+                planner.observe_cost(n, seconds)
+            read_at, previous = now, this
         tokens, next_token, keep, finite = report[:n], report[n], report[n + 1], report[n + 2]
         if finite < keep:  # a kept token was chosen from NaN or Inf logits
             raise _nonfinite(model, len(prompt_tokens) + produced - 1 + finite, tokens[finite], drafts=tokens[1:])
@@ -625,45 +642,20 @@ def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_dr
 
 
 def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True,
-                   drafting=("keep", "post")):
-    """`decoding.step` for this model, drafter and settings (`drafting`: the head's cache and chain options),
-    compiled once and kept with the model (the weights are implicit inputs, read at every call)."""
+                   drafting=("keep", "post"), follows: bool = False):
+    """`decoding.step` for this model, drafter and settings (`drafting`: the head's cache and chain options;
+    `follows`: a plain step whose head reads the pass), compiled once and kept with the model (the weights are
+    implicit inputs, read at every call)."""
     steps = model.__dict__.setdefault("_decode_steps", {})
     drafting = tuple(drafting) if k else None
-    key = (id(head) if k else None, k, strategy.key, hidden, record, compiled, drafting)
+    key = (id(head) if k or follows else None, k, strategy.key, hidden, record, compiled, drafting, follows)
     if key not in steps:
         def run(state, last, rng):
             return decoding.step(model, head, k, strategy, hidden, record, state, last, rng,
-                                 *(drafting or ()))
+                                 *(drafting or decoding.DRAFTING), follows)
 
         if COMPILE and compiled:
-            implicit = [model.state] + ([head.state] if k and head is not model.mtp else [])
+            implicit = [model.state] + ([head.state] if (k or follows) and head is not model.mtp else [])
             run = mx.compile(run, inputs=implicit)
         steps[key] = run
     return steps[key]
-
-
-def step_costs(model: Model, head, strategy, hidden: str, rollback: str, prompt_tokens: list[int],
-               max_tokens: int, widths=adaptive.WIDTHS, drafting=("keep", "post")) -> dict[int, float]:
-    """Seconds of one step at each width, timed on the state after the prompt (`adaptive.time_steps`);
-    measured once per model, drafter and settings, and kept with the model."""
-    record = rollback == "record"
-    costs = model.__dict__.setdefault("_step_costs", {})
-    key = (id(head), strategy.key, hidden, record, tuple(widths), tuple(drafting))
-    if key not in costs:
-        widest = max(widths)
-        capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
-        rng = mx.random.key(0)
-        state, (h, after, keep), _ = _prefill(model, head, prompt_tokens, capacity, widest, strategy, hidden, rng)
-        runs = {n: _compiled_step(model, head, n - 1, strategy, hidden, record, True, drafting) for n in widths}
-        inputs = {n: (state, (h[:, :n], after[:, :n], keep), rng) for n in widths}
-        shard = model.shard
-        if shard is None:
-            costs[key] = adaptive.time_steps(runs, inputs)
-        else:
-            # Ranks time their steps differently; each planner must choose the same width at every step (the
-            # ranks run each step together), so all take rank 0's costs: a planner is a function of the costs and
-            # of the tokens accepted, and the tokens are the same on every rank.
-            timed = adaptive.time_steps(runs, inputs, agree=parallel.rank0_decides(shard))
-            costs[key] = dict(zip(widths, parallel.broadcast([timed[n] for n in widths], shard.group)))
-    return costs[key]

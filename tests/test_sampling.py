@@ -213,3 +213,30 @@ def test_sampling_model_reads_generation_config(small_vocab_model):
 def test_bad_settings_are_usage_errors(small_vocab_model, bad):
     with pytest.raises(UsageError):
         qmtp.generate(small_vocab_model, PROMPT, max_tokens=2, **bad)
+
+
+def test_chat_samples_with_the_models_settings_unless_flags_override(tmp_path, capsys):
+    import shutil
+
+    from qmtp.cli import main
+
+    bundled = qmtp.load()
+    path = tmp_path / "tiny"
+    shutil.copytree(bundled.path, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.8, "top_k": 20, "top_p": 0.9}))
+    model = qmtp.load(path)
+    prompt = "Once upon a time"
+
+    def chat(*flags):
+        assert main(["chat", str(path), "--raw", "--prompt", prompt, "--max-tokens", "24", "--seed", "7", *flags]) == 0
+        out = capsys.readouterr()
+        return out.out[len(prompt):].rstrip("\n"), out.err
+
+    text, err = chat()
+    assert "sampling temperature=0.8, top_k=20, top_p=0.9]" in err
+    assert text == qmtp.generate(model, prompt, max_tokens=24, seed=7, sampling="model").text
+    assert text != qmtp.generate(model, prompt, max_tokens=24).text  # not greedy
+    text, err = chat("--temperature", "0", "--repetition-penalty", "1.3")
+    assert text == qmtp.generate(model, prompt, max_tokens=24, repetition_penalty=1.3).text
+    assert main(["chat", str(path), "--raw", "--prompt", prompt, "--top-p", "2"]) == 2
+    assert "top_p=2.0 must be in (0, 1]" in capsys.readouterr().err

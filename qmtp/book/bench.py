@@ -355,9 +355,10 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, **s)) for n in ablate})
     if peer is not None:
         engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
-    # warm-up: the first passes of each shape trace and compile, and auto times its widths (once per model)
+    # warm-up: the first passes of each shape trace and compile (auto's, as it first uses each width)
     warm_up = {name: run(prompts[0]) for name, run in engines.items()}
     speeds = {name: [] for name in engines}
+    first_token = {name: [] for name in engines}  # seconds from the call to the first token, every run
     outputs, timers = {}, {n: PhaseTimer() for n in [*n_drafts, "auto"]}
     names = list(engines)
     for r in range(repeats):
@@ -371,6 +372,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
                 if name[0].startswith("qmtp"):
                     out = engines[name](p, t=timers[name[1]] if name[0] == "qmtp" else None)
                     seconds[name] += out.stats.decode_seconds
+                    first_token[name].append(out.stats.first_token_seconds)
                     tokens[name] += out.stats.generated - 1
                 else:
                     out = engines[name](p)
@@ -408,6 +410,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             "tokens_per_second_max": max(speeds[("qmtp", n)]),
             "acceptance_per_position": _acceptance([s.drafted for s in first], [s.accepted for s in first]),
             "tokens_per_trunk_pass": tokens_per_pass,
+            "first_token_seconds": statistics.median(first_token[("qmtp", n)]),
             "same_tokens_as_plain": [g.tokens for g in outputs[("qmtp", n)]] == plain_tokens,
             "head_share": (n - 1) * head / ((n - 1) * head + costs[n]["verify"]),
             "ideal_speedup": tokens_per_pass / (1 + (n - 1) * head / plain_pass),
@@ -438,7 +441,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     report["cost_model"] = _fit_and_predict(model, in_memory, results, context, cache_bytes)
     if auto:
         report["auto"] = _auto_report(outputs[("qmtp", "auto")], speeds[("qmtp", "auto")], results, plain_tokens,
-                                      timers["auto"], repeats, warm_up[("qmtp", "auto")])
+                                      timers["auto"], repeats, first_token[("qmtp", "auto")])
     if ablate:
         report["ablation"] = [{"loop": variant, "n_draft": n, "tokens_per_second": statistics.median(speeds[(f"qmtp {variant}", n)]),
                                "over_lean": statistics.median(a / b for a, b in zip(speeds[(f"qmtp {variant}", n)],
@@ -460,10 +463,10 @@ def _acceptance(proposed: list[list[int]], accepted: list[list[int]]) -> list[fl
 
 
 def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tokens: list, timer, repeats: int,
-                 warm_up) -> dict:
+                 first_token: list[float]) -> dict:
     """n_draft="auto" beside the fixed widths of the same rounds: its speed over plain and over the best fixed
-    width, how often it chose each width, and its acceptance. The widths were timed in the warm-up run
-    (`warm_up`, the first generation with this model), whose calibration time is reported."""
+    width, how often it chose each width, its acceptance, and its time to the first token over plain
+    decoding's (it times nothing before the first token: it learns the widths' costs as it decodes)."""
     stats = [g.stats for g in runs]
     best = max(results, key=lambda r: r["tokens_per_second"])
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
@@ -477,7 +480,9 @@ def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tok
             "tokens_per_trunk_pass": sum(len(st.emitted) for s in stats for st in s.steps) / passes,
             "acceptance_per_position": _acceptance([s.drafted for s in stats], [s.accepted for s in stats]),
             "same_tokens_as_plain": [g.tokens for g in runs] == plain_tokens,
-            "calibration_seconds": max([warm_up.stats.calibration_seconds] + [s.calibration_seconds for s in stats]),
+            "first_token_seconds": statistics.median(first_token),
+            "first_token_over_plain": statistics.median(first_token) / next(
+                (r["first_token_seconds"] for r in results if r["n_draft"] == 1), float("nan")),
             "phase_seconds_per_pass": {name: t / (repeats * passes) for name, t in timer.seconds.items()}}
 
 
@@ -603,6 +608,9 @@ def mtp_table(report: dict) -> str:
                      f"{auto['over_best_fixed']:.2f}x the best fixed (n_draft={auto['best_fixed_n_draft']}); "
                      f"{auto['tokens_per_trunk_pass']:.2f} tokens/pass; widths chosen {shares}; lossless "
                      f"{'yes' if auto['same_tokens_as_plain'] else 'NO'}")
+        fixed = ", ".join(f"n_draft={r['n_draft']} {r['first_token_seconds'] * 1e3:.1f}" for r in report["results"])
+        lines.append(f"time to first token (median, ms): {fixed}, auto {auto['first_token_seconds'] * 1e3:.1f} "
+                     f"({auto['first_token_over_plain']:.2f}x plain)")
     for r in report.get("ablation", ()):
         lines.append(f"loop {r['loop']}, n_draft={r['n_draft']}: {r['tokens_per_second']:.1f} tok/s, "
                      f"{r['over_lean']:.2f}x the lean loop; same tokens {'yes' if r['same_tokens_as_lean'] else 'NO'}")
