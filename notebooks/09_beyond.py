@@ -115,8 +115,9 @@ glue("q4_on_16", q4_row["16 GB"], display=False)
 #
 # The larger members of the family, Qwen3.5-122B-A10B and Qwen3.5-397B-A17B, are not in this table nor
 # in the predictions below: every size here is computed from a config's values, and their `config.json`
-# files could not be read at their source when this chapter was written (only third parties quoting
-# them were found), so no preset for them is included.
+# files could not be read at their source when this chapter was written. Only third parties' copies of
+# some of their values were found, and those copies disagree with one another (on the 397B's
+# shared-expert width, for one), so no preset for them is included.
 #
 # ## The same tokens on two ranks, live
 #
