@@ -178,21 +178,25 @@ glue("weights_share", rank0["weights / one"], display=False)
 glue("rss_share", rank0["RSS / one"], display=False)
 glue("weights_mib", memory[0]["weights"], display=False)
 glue("rss_mib", memory[0]["peak RSS"], display=False)
-share = beyond.layout_rows(
-    sizes.sizes(model.config, sizes.UNQUANTIZED, router_bits=sizes.UNQUANTIZED),
-    model.config.num_experts,
-    ranks=(1, 2),
-)[1]["of one process"]
-glue("predicted_share", share, display=False)
+as_loaded = sizes.sizes(  # float32 in memory, nothing quantized: as the ranks hold it
+    model.config,
+    sizes.UNQUANTIZED,
+    mtp_bits=None,
+    router_bits=sizes.UNQUANTIZED,
+    dtype_bytes=4,
+)
+share = beyond.layout_rows(as_loaded, model.config.num_experts, ranks=(1, 2))[1]
+glue("predicted_share", share["of one process"], display=False)
+heavier = rank0["RSS / one"] > 1
+glue("rss_verdict", "outweigh" if heavier else "do not outweigh", display=False)
 
 # %% [markdown]
-# Each rank holds {glue:text}`weights_share:.2f` of one process's weights (the arithmetic of
-# `per_rank_bytes` at the same widths says {glue:text}`predicted_share:.2f`; the weights are float32 in
-# memory, which changes the bytes but not the share much). Its peak RSS is {glue:text}`rss_share:.2f`
-# times one process's: the bundled model's weights are {glue:text}`weights_mib:.0f` MiB of a
-# {glue:text}`rss_mib:.0f` MiB process, so Python, MLX and the ring backend's buffers, which every rank
-# carries whole, outweigh what the split saves. The split pays in memory where the experts dominate the
-# process, as they do at the real widths.
+# Each rank holds {glue:text}`weights_share:.4f` of one process's weights, as the arithmetic of
+# `per_rank_bytes` says for float32 weights ({glue:text}`predicted_share:.4f`). Its peak RSS is
+# {glue:text}`rss_share:.2f` times one process's: the bundled model's weights are
+# {glue:text}`weights_mib:.0f` MiB of a {glue:text}`rss_mib:.0f` MiB process, so Python, MLX and the ring
+# backend's buffers, which every rank carries whole, {glue:text}`rss_verdict` what the split saves. The
+# split pays in memory where the experts dominate the process, as they do at the real widths.
 #
 # ## An all_sum per layer, and what this machine cannot show
 #
@@ -219,7 +223,7 @@ print(f"plain decoding: {live['alone']['plain_tokens_per_second']:.0f} tok/s alo
 # ({glue:text}`loopback_median_us:.0f` µs in the median one: the chains share the cores with everything
 # else this machine runs; the model below takes the fastest), and plain decoding ran at
 # {glue:text}`ranks_tps:.0f` tokens/s on two ranks against {glue:text}`alone_tps:.0f` alone
-# ({glue:text}`tps_ratio:.2f` times). That slowdown is not a network's: the two ranks share this machine's
+# ({glue:text}`tps_ratio:.2f` times). That difference is not a network's: the two ranks share this machine's
 # two cores and its memory bandwidth, so each waits for the other's turn on the cores at every
 # collective, and the tiny model's step is so short that those waits are most of it. This machine can
 # show that the ranks are lossless, what each holds, and what a collective costs when its ranks share a
@@ -273,7 +277,19 @@ says = beyond.verdicts(predicted)
 for key, value in says.items():
     glue(f"v_{key}", value, display=False)
 slower = "slower than on one, for every memory and every link above"
-glue("v_plain", slower if says["plain_slower"] else "not always slower", display=False)
+glue(
+    "v_plain",
+    slower + ": the all_sums cost more than the split of the experts saves"
+    if says["plain_slower"]
+    else "not always slower than on one",
+    display=False,
+)
+more = says["grows"] == says["pairs"]
+glue(
+    "v_pays",
+    "makes MTP pay more" if more else "does not always make MTP pay more",
+    display=False,
+)
 
 # %% mystnb={"figure": {"caption": "Predicted tokens/s of the 35B-A3B at 4 bits against the number of machines of M3 Ultra bandwidth, one rank each, for each link's per-layer all_sum latency and for none at all: plain decoding dashed, the best n_draft solid with that n_draft written beside each point. With one machine there is no all_sum; from two on, each pass pays one per MoE layer.", "name": "fig-machines-scaling"}}
 fig = plots.machines_scaling(predicted, "M3 Ultra")
@@ -287,11 +303,11 @@ fig = plots.machines_scaling(predicted, "M3 Ultra")
 # {glue:text}`v_n_many_min` to {glue:text}`v_n_many_max`, larger than on one machine for
 # {glue:text}`v_grows` of the {glue:text}`v_pairs` pairs of memory and link. On top of the split, a
 # pass pays one `all_sum` per MoE layer whatever its width, so the more tokens a pass verifies, the fewer
-# passes pay them: the slower the link, the more MTP gains. So spreading the experts makes MTP pay more,
-# relative to plain decoding on the same machines.
+# passes pay them: the slower the link, the more MTP gains. So spreading the experts
+# {glue:text}`v_pays`, relative to plain decoding on the same machines.
 #
-# In absolute terms, plain decoding on two or more machines is {glue:text}`v_plain`: the all_sums cost
-# more than the experts' split saves. {glue:text}`v_faster`. For a model that fits one machine, then,
+# In absolute terms, plain decoding on two or more machines is {glue:text}`v_plain`.
+# {glue:text}`v_faster`. For a model that fits one machine, then,
 # spreading it buys memory rather than speed, and MTP wins back part of what the links cost; for a model
 # that needs several machines (the bf16 release on machines of 32 or 64 GB, or the larger members of the
 # family), MTP is what makes the links' latency worth paying.
