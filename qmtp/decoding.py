@@ -73,7 +73,8 @@ def grow_state(model, state: dict, capacity: int) -> dict:
         pad = [(0, 0), (0, 0), (0, capacity - keys.shape[2]), (0, 0)]
         return mx.pad(keys, pad), mx.pad(values, pad)
 
-    out = {**state, "layers": [grown(s) if layer.kind != LINEAR else s for layer, s in zip(model.layers, state["layers"])]}
+    layers = [grown(s) if layer.kind != LINEAR else s for layer, s in zip(model.layers, state["layers"])]
+    out = {**state, "layers": layers}
     if "head" in state:
         out["head"] = grown(state["head"])
     return out

@@ -19,7 +19,7 @@ fresh prefill would compute for them (up to the rounding of computing them in ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -29,7 +29,7 @@ from .errors import UsageError
 MAX_SNAPSHOTS = 6  # the latest: about two turns (a turn resumes within the last one; each costs the linear states)
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
     """The linear-attention state after the first `position` tokens (per trunk layer; None for attention
     layers), and the trunk's state at position - 1 [1, 1, H] (None when the head does not draft)."""
@@ -39,7 +39,7 @@ class Snapshot:
     hidden: mx.array | None
 
 
-@dataclass
+@dataclass(eq=False)
 class Resume:
     """Where a prefill starts: the first `position` prompt tokens are in `state` (None: start empty), and
     `pending` [1, n, H] holds the trunk's states at the n positions before `position` that the head has not
@@ -60,26 +60,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@dataclass
 class PrefixCache:
     """What `generate(..., prefix_cache=cache)` leaves for the next call: the state after the last generation,
     the token ids it holds, and snapshots of the linear-attention state. One model's: it refuses another.
     Drafting with another head (or none), or feeding the head other trunk states (`hidden`), starts it anew."""
 
-    tokens: list[int] = field(default_factory=list)  # the ids the state holds (the last generated token is not fed)
-    state: dict | None = None
-    pending: mx.array | None = None  # see `Resume`; None with a head: the head fell behind (a plain step)
-    snapshots: list[Snapshot] = field(default_factory=list)
-    marks: set[int] = field(default_factory=set)  # positions of the next prompt to snapshot at
-    model: object = None
-    owner: tuple | None = None  # (id of the drafter or None, hidden)
-    _live: tuple | None = None  # during a generation: see `hold`
-    _head: tuple | None = None  # during a generation: the head's last buffers and offset
+    def __init__(self):
+        self.model = None
+        self.marks: set[int] = set()  # positions of the next prompt to snapshot at
+        self.clear()
+
+    def __repr__(self) -> str:
+        return f"PrefixCache({len(self.tokens)} tokens held, {len(self.snapshots)} snapshots)"
 
     def clear(self) -> None:
-        """Forget everything: the next generation prefills its whole prompt."""
-        self.tokens, self.state, self.pending, self.snapshots, self._live, self._head = [], None, None, [], None, None
-        self.owner = None
+        """Forget the state: the next generation prefills its whole prompt."""
+        self.tokens: list[int] = []  # the ids the state holds (the last generated token is not fed)
+        self.state: dict | None = None
+        self.pending: mx.array | None = None  # see `Resume`; None with a head: the head fell behind (a plain step)
+        self.snapshots: list[Snapshot] = []
+        self.owner: tuple | None = None  # (id of the drafter or None, hidden)
+        self._live: tuple | None = None  # during a generation: see `hold`
+        self._head: tuple | None = None  # during a generation: the head's last buffers and offset
 
     def mark(self, *positions: int) -> None:
         """Snapshot the linear-attention state also after these many tokens of the next prompt (where later
