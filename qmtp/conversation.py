@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+import numpy as np
+
 from . import chat
 from .errors import UsageError
 from .model import Model
@@ -79,12 +81,12 @@ class Conversation:
         if n_draft != 1:
             model.require_head()
         _stop_strings(model, stop)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEEDS:
             raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
         resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repetition_penalty=repetition_penalty)
-        self.model, self.raw, self.seed = model, raw, seed
+        self.model, self.raw, self.seed = model, raw, int(seed)
         self.system, self.enable_thinking = system, enable_thinking
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.settings = dict(max_tokens=max_tokens, n_draft=n_draft, stop=stop, stop_at_eos=stop_at_eos,
