@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--repetition-penalty", type=float, default=None,
                       help="on tokens of the prompt and the generated text (1: none)")
     chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--seed", type=int, default=0,
+                      help="random seed when sampling (turn n of a conversation, from 0, uses seed + n)")
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin, each line a "
                                        "turn of one conversation; a line /reset starts a new one)")
     chat.add_argument("--raw", action="store_true",

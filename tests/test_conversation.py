@@ -1,10 +1,12 @@
 """A conversation keeps its decoding state between turns: each turn prefills only what its prompt adds to the
 ids the state holds, and its tokens are those of a fresh `generate` over the same ids."""
 
+import numpy as np
 import pytest
 
 import qmtp
 from qmtp import chat, decoding, speculative
+from qmtp.config import LINEAR
 from qmtp.errors import UsageError
 from qmtp.prefix_cache import common_prefix
 
@@ -33,12 +35,18 @@ def generation_prompt_start(model, messages, **template) -> int:
                          tok.encode(tok.apply_chat_template(messages, **template)))
 
 
-@pytest.mark.parametrize("n_draft, temperature", [(1, 0.0), (2, 0.0), (4, 0.0), ("auto", 0.0), (1, 0.8), (3, 0.8)])
-def test_each_turn_equals_a_fresh_run_when_the_template_drops_the_thinking(model, n_draft, temperature):
+SAMPLED = {"temperature": 0.8}
+PENALISED = {"temperature": 0.8, "top_p": 0.95, "presence_penalty": 1.5, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize("n_draft, sampling", [(1, {}), (2, {}), (4, {}), ("auto", {}), (1, SAMPLED), (3, SAMPLED),
+                                               (3, PENALISED)])
+def test_each_turn_equals_a_fresh_run_when_the_template_drops_the_thinking(model, n_draft, sampling):
     """Thinking on: the template drops a reply's thinking once the next question follows, so the history parts
-    from the ids the state holds at the reply's start; the turn resumes from the snapshot there."""
-    conversation = qmtp.Conversation(model, "Tell stories.", n_draft=n_draft, temperature=temperature, seed=5,
-                                     max_tokens=MAX_TOKENS)
+    from the ids the state holds at the reply's start; the turn resumes from the snapshot there. (The penalties'
+    counts start again at each turn, the history being prompt.)"""
+    conversation = qmtp.Conversation(model, "Tell stories.", n_draft=n_draft, seed=5, max_tokens=MAX_TOKENS,
+                                     **sampling)
     before = None
     for turn, text in enumerate(TURNS):
         history = conversation.messages + [{"role": "user", "content": text}]
@@ -54,6 +62,37 @@ def test_each_turn_equals_a_fresh_run_when_the_template_drops_the_thinking(model
             assert g.stats.prefilled_tokens == g.stats.prompt_tokens
         before = g
     assert conversation.turns == len(TURNS) and len(conversation.messages) == 1 + 2 * len(TURNS)
+
+
+def assert_close(a, b, what):
+    a, b = np.array(a), np.array(b)
+    assert np.allclose(a, b, rtol=1e-4, atol=1e-5), f"{what}: differs by {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("thinking", [{}, {"chat_template_kwargs": {"preserve_thinking": True}}])
+def test_the_kept_state_holds_what_a_fresh_run_computes(model, thinking):
+    """Equal tokens could hide a head that reads stale positions (its drafts change a little, its argmax rarely):
+    the kept state's KV entries (trunk and head) over the prompt are those of a fresh run, and so is the
+    linear-attention state when both hold the same ids."""
+    conversation = qmtp.Conversation(model, "Tell stories.", n_draft=3, max_tokens=MAX_TOKENS, **thinking)
+    same_ids = 0
+    for turn, text in enumerate(TURNS):
+        g = conversation.send(text)
+        cache = qmtp.PrefixCache()
+        qmtp.generate(model, g.prompt_tokens, prefix_cache=cache, seed=conversation.seed + turn,
+                      **conversation.settings)
+        kept, fresh, n = conversation.cache.state, cache.state, len(g.prompt_tokens)
+        for i, (layer, a, b) in enumerate(zip(model.layers, kept["layers"], fresh["layers"])):
+            if layer.kind != LINEAR:
+                for x, y in zip(a, b):
+                    assert_close(x[:, :, :n], y[:, :, :n], f"turn {turn}, layer {i}'s KV")
+            elif conversation.cache.tokens == cache.tokens:
+                for x, y in zip(a, b):
+                    assert_close(x, y, f"turn {turn}, layer {i}'s linear state")
+        same_ids += conversation.cache.tokens == cache.tokens
+        for x, y in zip(kept["head"], fresh["head"]):  # the head's entry i reads position i and the token after
+            assert_close(x[:, :, :n - 1], y[:, :, :n - 1], f"turn {turn}, the head's KV")
+    assert same_ids
 
 
 @pytest.mark.parametrize("n_draft", [1, 3])
