@@ -31,5 +31,7 @@ __all__ = [
 
 from .sampling import Sampling  # noqa: E402
 from .speculative import Generation, Stats, generate  # noqa: E402
+from .prefix_cache import PrefixCache  # noqa: E402
+from .conversation import Conversation  # noqa: E402
 
-__all__ += ["Generation", "Sampling", "Stats", "generate"]
+__all__ += ["Conversation", "Generation", "PrefixCache", "Sampling", "Stats", "generate"]

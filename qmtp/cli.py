@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--repetition-penalty", type=float, default=None,
                       help="on tokens of the prompt and the generated text (1: none)")
     chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--seed", type=int, default=0,
+                      help="random seed when sampling (turn n of a conversation, from 0, uses seed + n)")
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin, each line a "
                                        "turn of one conversation; a line /reset starts a new one)")
     chat.add_argument("--raw", action="store_true",
@@ -531,6 +532,7 @@ def _describe_sampling(settings) -> str:
 
 def chat(args) -> int:
     from . import chat as chat_mod
+    from .conversation import Conversation
     from .loading import load
     from .sampling import Sampling
     from .sampling import resolve as resolve_sampling
@@ -581,25 +583,20 @@ def chat(args) -> int:
             text.finish(g.text)
             _report(g, n_draft, sampling)
         return 0
-    # The conversation: each turn re-reads the whole history (its earlier thinking dropped or kept by the template)
-    opening = [{"role": "system", "content": args.system}] if args.system is not None else []
-    history = list(opening)
-    template_kwargs = {"preserve_thinking": True} if args.preserve_thinking else {}
+    # The conversation: each turn renders the whole history (its earlier thinking dropped or kept by the template)
+    # and prefills only what differs from the decoding state the last turn left
+    conversation = Conversation(model, args.system, enable_thinking=args.thinking,
+                                chat_template_kwargs={"preserve_thinking": True} if args.preserve_thinking else None,
+                                **settings)
     for prompt in prompts:
         if prompt.strip() == "/reset" and args.prompt is None:
-            history = list(opening)
+            conversation.reset()
             print("[a new conversation]", file=sys.stderr, flush=True)
             continue
-        messages = history + [{"role": "user", "content": prompt}]
-        rendered = model.tokenizer.apply_chat_template(messages, enable_thinking=args.thinking, **template_kwargs)
-        stream = ChatStream(model.tokenizer, ends, stops, chat_mod.opens_thinking(rendered), args.hide_thinking)
-        g = _streamed(lambda: generate(model, messages=messages, enable_thinking=args.thinking,
-                                       chat_template_kwargs=template_kwargs or None, on_tokens=stream.add, **settings))
-        thinking, answer = stream.finish(g.text)
-        reply = {"role": "assistant", "content": answer}
-        if thinking:
-            reply["reasoning_content"] = thinking
-        history = messages + [reply]
+        opened = chat_mod.opens_thinking(conversation.next_prompt(prompt))
+        stream = ChatStream(model.tokenizer, ends, stops, opened, args.hide_thinking)
+        g = _streamed(lambda: conversation.send(prompt, on_tokens=stream.add))
+        stream.finish(g.text)
         _report(g, n_draft, sampling)
     return 0
 
@@ -618,7 +615,9 @@ def _report(g, n_draft, sampling) -> None:
     from .sampling import Sampling
 
     s = g.stats
-    line = f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s, after a prompt of {s.prompt_tokens}"
+    kept = s.prompt_tokens - s.prefilled_tokens  # held by the decoding state the last turn left
+    line = (f"[{s.generated} tokens, {s.tokens_per_second:.1f} tok/s, "
+            + (f"{kept} tokens kept from the last turn, " if kept else "") + f"after a prompt of {s.prompt_tokens}")
     if n_draft != 1:
         # a position never proposed (every earlier draft rejected) has no rate: say so, not "nan"
         per_position = ", ".join("never reached" if d == 0 else f"{a:.2f}" for a, d in zip(s.acceptance, s.drafted))

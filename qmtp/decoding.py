@@ -58,6 +58,28 @@ def empty_state(model, capacity: int, head: bool) -> dict:
     return state
 
 
+def capacity_of(model, state: dict) -> int | None:
+    """The positions the state's KV buffers hold (None when it has none: no attention layer and no head)."""
+    buffers = [s for layer, s in zip(model.layers, state["layers"]) if layer.kind != LINEAR]
+    buffers += [state["head"]] if "head" in state else []
+    return buffers[0][0].shape[2] if buffers else None
+
+
+def grow_state(model, state: dict, capacity: int) -> dict:
+    """The state with KV buffers of `capacity` positions (the held ones copied, the rest zeros): a longer
+    conversation than the buffers were made for. The linear-attention state has no length: it is kept."""
+    def grown(buffers):
+        keys, values = buffers
+        pad = [(0, 0), (0, 0), (0, capacity - keys.shape[2]), (0, 0)]
+        return mx.pad(keys, pad), mx.pad(values, pad)
+
+    layers = [grown(s) if layer.kind != LINEAR else s for layer, s in zip(model.layers, state["layers"])]
+    out = {**state, "layers": layers}
+    if "head" in state:
+        out["head"] = grown(state["head"])
+    return out
+
+
 # ---- the trunk and the head over the state ------------------------------------------------------------------
 def trunk_step(model, tokens: mx.array, state: dict, record: bool):
     """The trunk over tokens [1, T] from `state`: (its output before and after the final norm [1, T, H], the

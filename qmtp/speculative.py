@@ -35,6 +35,7 @@ from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model, release_at_thread_exit
 from .mtp import MTPHead
+from .prefix_cache import PrefixCache, Resume
 from .sampling import Sampling
 from .sampling import resolve as resolve_sampling
 
@@ -55,6 +56,7 @@ class Step:
 class Stats:
     n_draft: int | str  # "auto": chosen per step (see `widths`)
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # the prompt's tokens run at the prefill: all but those a `PrefixCache` held
     generated: int = 0
     drafted: list[int] = field(default_factory=list)  # per draft position: how often a draft was proposed
     accepted: list[int] = field(default_factory=list)  # per draft position: how often it was accepted
@@ -109,6 +111,8 @@ class Stats:
     def summary(self) -> dict:
         return {
             "n_draft": self.n_draft,
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
             "generated": self.generated,
             "trunk_passes": self.trunk_passes,
             "acceptance": self.acceptance,
@@ -327,6 +331,7 @@ def generate(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     sampling: Sampling | str | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids), or after `messages`
     rendered by the model's chat template.
@@ -376,6 +381,10 @@ def generate(
             and answer.
         stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
         stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
+        prefix_cache: a `qmtp.PrefixCache`: the generation starts from the state the last one with this cache
+            left, prefilling only the prompt's tokens after the longest prefix it shares with the ids that
+            state holds (`Stats.prefilled_tokens`), and leaves its own state there (`qmtp.Conversation` uses
+            it). The tokens are those of a generation without it.
     """
     called = time.perf_counter()
     prompt_tokens = _chat_prompt(model, prompt, messages, enable_thinking, chat_template_kwargs)
@@ -400,6 +409,8 @@ def generate(
         raise UsageError(f"chain={chain!r}: use 'post' (after the head's final norm) or 'pre'")
     if rollback not in ("record", "replay"):
         raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise UsageError(f"prefix_cache: give a qmtp.PrefixCache (or None), not {type(prefix_cache).__name__}")
     drafter = head if head is not None else model.mtp
     widest = max(adaptive.WIDTHS) if n_draft == "auto" else n_draft
     _validate(model, prompt_tokens, max_tokens, widest, temperature, seed, drafter if widest > 1 else None)
@@ -419,10 +430,31 @@ def generate(
             (id(drafter), strategy.key, hidden, rollback, head_cache, chain), adaptive.StepCosts())
         n_draft = planner = DraftPlanner(learned=costs, proposed=proposed, accepted=accepted)
 
+    resume = prefix_cache.resume(model, drafter if widest > 1 else None, hidden, prompt_tokens) \
+        if prefix_cache is not None else None
+    stats.prefilled_tokens = len(prompt_tokens) - (resume.position if resume is not None else 0)
+    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
+                         timer or _untimed, compiled, queue_ahead, drafting=(head_cache, chain), resume=resume,
+                         cache=prefix_cache)
+    try:
+        generation = _collect(model, steps, prompt_tokens, max_tokens, eos, stops, on_tokens, stats, recorder, called)
+    except BaseException:  # a state cut short (an error, Ctrl-C) is not kept: the next call prefills anew
+        if prefix_cache is not None:
+            prefix_cache.clear()
+        raise
+    if planner is not None:
+        carried[(id(drafter), strategy.key)] = (planner.proposed, planner.accepted)
+    if prefix_cache is not None:
+        prefix_cache.settle(prompt_tokens)
+    return generation
+
+
+def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos, stops, on_tokens, stats: Stats,
+             recorder, called: float) -> Generation:
+    """The generation from `decode_steps`' steps: its tokens (cut at an end id, a stop string or `max_tokens`),
+    streamed to `on_tokens` as they come, and its statistics."""
     out: list[int] = []
     started = time.perf_counter()
-    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
-                         timer or _untimed, compiled, queue_ahead, drafting=(head_cache, chain))
     streamed = 0
 
     def stream():
@@ -476,8 +508,6 @@ def generate(
         if stopped:
             break
     stats.decode_seconds = time.perf_counter() - started
-    if planner is not None:
-        carried[(id(drafter), strategy.key)] = (planner.proposed, planner.accepted)
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()
@@ -507,10 +537,13 @@ def _output(tokens: list[int], max_tokens: int, eos) -> list[int]:
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
                  max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True,
-                 drafting=("keep", "post")):
+                 drafting=("keep", "post"), resume: Resume | None = None, cache: PrefixCache | None = None):
     """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
     for each pass, until `max_tokens` tokens or an end id (`eos`: None, one id or a set of them) are out.
     `n_draft`: a width, or a `DraftPlanner` that chooses each step's.
+
+    `resume`: the state holding the prompt's first tokens (`PrefixCache.resume`), so that only the rest is
+    prefilled; `cache` is handed the state after each step (`PrefixCache.hold`).
 
     The next pass is queued (`mx.async_eval`) before the host reads the current one, whenever the current
     one cannot end the generation, so the machine computes while the host keeps the books: one host sync
@@ -524,7 +557,10 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     key = mx.random.key(seed)
     width = planner.choose() if planner else n_draft
     state, last, first = _prefill(model, head if widest > 1 else None, prompt_tokens, capacity, width, strategy,
-                                  hidden, key)
+                                  hidden, key, resume, cache)
+    tokens_out, held = [first], len(prompt_tokens)  # what was produced; the positions the state holds
+    if cache is not None:
+        cache.hold(state, last, tokens_out, held)
     yield Step([], 0, [first])
     produced = 1
     if produced >= max_tokens or first in eos:
@@ -545,7 +581,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     queued = queue(state, last, key)
     read_at, previous = None, None  # when the last step's tokens were read; its (width, next step's width)
     while True:
-        before = state
+        before, last_before, held_before = state, last, held
         n, (state, last, report, experts, key) = queued
         queued = None
         if queue_ahead and (record or n == 1) and produced + n < max_tokens:
@@ -573,6 +609,10 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         if planner:
             planner.observe(n - 1, keep - 1)
         emitted = tokens[1:keep] + [next_token]
+        tokens_out += emitted
+        held += keep
+        if cache is not None:  # with where this step started: a later prompt may part from it within the step
+            cache.hold(state, last, tokens_out, held, (held_before, before["layers"], last_before))
         yield Step(tokens[1:], keep - 1, emitted, proposed.count(0)), experts
         produced += len(emitted)
         if produced >= max_tokens or any(t in eos for t in emitted):
@@ -581,13 +621,32 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
             queued = queue(state, last, key)
 
 
-def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draft: int, strategy, hidden: str, key):
+def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draft: int, strategy, hidden: str, key,
+             resume: Resume | None = None, cache: PrefixCache | None = None):
     """The prompt through the trunk (and, when drafting, the head over its positions but the last): the
-    state, what the first step needs, and the first token."""
-    state = decoding.empty_state(model, capacity, head=head is not None)
-    tokens = mx.array([prompt_tokens], mx.int32)
-    pre, post, _, state["layers"] = decoding.trunk_step(model, tokens, state, record=False)
-    state["offset"] = mx.array(len(prompt_tokens), mx.int32)
+    state, what the first step needs, and the first token.
+
+    With `resume`, its first `resume.position` tokens are in `resume.state` already: only the rest is run
+    (and the head first reads the positions before it that it has not read). With `cache`, the prompt is
+    run in pieces cut at the cache's marks, and the linear-attention state is snapshotted after each."""
+    start = resume.position if resume is not None else 0
+    if resume is not None and resume.state is not None:
+        state = resume.state
+        current = decoding.capacity_of(model, state)
+        if current is not None and current < capacity:  # a longer conversation than the buffers were made for
+            state = decoding.grow_state(model, state, capacity)
+    else:
+        state = decoding.empty_state(model, capacity, head=head is not None)
+    ends = sorted(p for p in (cache.take_marks() if cache is not None else ()) if start < p < len(prompt_tokens))
+    hs, at = [], start
+    for end in ends + [len(prompt_tokens)]:
+        piece = mx.array([prompt_tokens[at:end]], mx.int32)
+        pre, post, _, state["layers"] = decoding.trunk_step(model, piece, state, record=False)
+        state["offset"] = mx.array(end, mx.int32)
+        hs.append(post if hidden == "post" else pre)
+        if cache is not None:
+            cache.snapshot(model, end, state["layers"], hs[-1][:, -1:] if head is not None else None)
+        at = end
     # lm_head on the last position only: the prompt's other scores are never used
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
     history = None
@@ -603,10 +662,16 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     mx.eval(first, finite, state)
     if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
         raise _nonfinite(model, len(prompt_tokens) - 1, prompt_tokens[-1], "for the prompt ")
-    h = post if hidden == "post" else pre
-    if head is not None and len(prompt_tokens) > 1:
-        _, state["head"] = decoding.head_step(model, head, h[:, :-1], tokens[:, 1:], state["head"], mx.array(0))
+    h = hs[0] if len(hs) == 1 else mx.concatenate(hs, axis=1)
     if head is not None:
+        # the head reads the trunk's state at each position with the token after it: from the first position
+        # it has not read (before `start` when resuming) to the prompt's last but one
+        pending = resume.pending if resume is not None and resume.pending is not None else h[:, :0]
+        read_from = start - pending.shape[1]
+        if read_from + 1 < len(prompt_tokens):
+            _, state["head"] = decoding.head_step(
+                model, head, mx.concatenate([pending, h[:, :-1]], axis=1),
+                mx.array([prompt_tokens[read_from + 1:]], mx.int32), state["head"], mx.array(read_from, mx.int32))
         state["head_offset"] = mx.array(len(prompt_tokens) - 1, mx.int32)
     # The first step's head reads one valid position, the prompt's last (padded to the pass's width)
     pad = n_draft - 1

@@ -2,7 +2,7 @@
 
     decode OUT [PATH] the model at PATH (default the bundled one), expert-parallel over the group: each MoE layer
                       against the whole model loaded in this same process, and the tokens of greedy, sampled and
-                      "auto" generations
+                      "auto" generations, and of a raw Conversation's turns
     load OUT PATH...  qmtp.load(PATH[rank], group=...): the DistributedError it raises, if any
 """
 
@@ -18,6 +18,7 @@ from qmtp.parallel import DistributedError
 PROMPT = "Once upon a time"
 MAX_TOKENS = 24
 SEED = 3
+CONVERSATION = [PROMPT, " The fox said", " and the hare"]
 
 
 def moe_layers_equal(whole, sharded) -> dict:
@@ -51,6 +52,13 @@ def decode(out: Path, group, path=None) -> dict:
         # the step costs each rank learned while decoding: rank 0's intervals, fed to every rank's planner
         found[f"auto_costs/{temperature}"] = [sorted(c.measured().items())
                                               for c in sharded.__dict__["_step_costs"].values()]
+    # a conversation over raw ids: each turn resumes the state the last one left, on every rank alike
+    for temperature in (0.0, 0.8):
+        conversation = qmtp.Conversation(sharded, raw=True, n_draft=3, temperature=temperature, seed=SEED,
+                                         max_tokens=MAX_TOKENS)
+        found[f"conversation/{temperature}"] = [
+            {"prompt": g.prompt_tokens, "tokens": g.tokens, "prefilled": g.stats.prefilled_tokens}
+            for g in (conversation.send(text) for text in CONVERSATION)]
     return found
 
 

@@ -104,6 +104,21 @@ def test_auto_width_is_decided_once_for_every_rank(two_ranks):
         assert rank0[f"auto_costs/{temperature}"] and rank0[f"auto_costs/{temperature}"][0]
 
 
+@pytest.mark.slow
+def test_two_ranks_hold_a_conversation_as_one_process(two_ranks, model_path):
+    """Each turn resumes the kept state on every rank alike, and equals one process's fresh run (turn n is seeded
+    with SEED + n)."""
+    whole = qmtp.load(model_path)
+    for temperature in (0.0, 0.8):
+        rank0, rank1 = (found[f"conversation/{temperature}"] for found in two_ranks)
+        assert rank0 == rank1
+        for turn, found in enumerate(rank0):
+            alone = qmtp.generate(whole, found["prompt"], max_tokens=MAX_TOKENS, n_draft=3, temperature=temperature,
+                                  seed=SEED + turn)
+            assert found["tokens"] == alone.tokens, (temperature, turn)
+            assert found["prefilled"] < len(found["prompt"]) if turn else found["prefilled"] == len(found["prompt"])
+
+
 def _copy_bundled(where: Path) -> Path:
     dst = where / "tiny"
     shutil.copytree(BUNDLED_MODEL, dst)
@@ -184,6 +199,21 @@ def test_chat_on_two_ranks_prints_the_single_process_text_once():
     # rank 0 read the prompts and sent them to rank 1; only rank 0 printed, the single process's text
     assert ranked.stdout == alone.stdout and ranked.stdout.count("Once upon a time") == 1
     assert ranked.stderr.count("tokens per trunk pass") == 2, ranked.stderr
+
+
+@pytest.mark.slow
+def test_templated_chat_on_two_ranks_prints_the_single_process_conversation(tmp_path):
+    """The interactive chat keeps its Conversation on every rank: rank 0 reads the turns, each rank resumes its
+    own kept state, and rank 0 prints what one process prints."""
+    from test_chat import model_dir
+
+    args = (model_dir(tmp_path / "templated"), "--thinking=false", "--use-mtp", "--n-draft", "3", "--max-tokens", "12")
+    prompts = "Tell me about foxes.\nAnd rabbits?\n/reset\nTell me about foxes.\n"
+    alone = chat(*map(str, args), stdin=prompts)
+    ranked = chat(*map(str, args), "--ranks", "2", "--timeout", "240", stdin=prompts)
+    assert alone.returncode == 0 and ranked.returncode == 0, ranked.stderr
+    assert ranked.stdout == alone.stdout
+    assert ranked.stderr.count("kept from the last turn") == alone.stderr.count("kept from the last turn") == 1
 
 
 def test_a_rank_that_cannot_open_its_checkpoint_ends_the_group(tmp_path):
