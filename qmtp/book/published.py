@@ -192,19 +192,9 @@ FIELD = (
               "trunk's width (4 bits) is assumed"),
 )
 
-# Acceptance of engines on this book's bundled model, measured elsewhere (not in this build), kept apart from
-# FIELD: a different model, so no cost-model row. n_draft=2, greedy, the bundled model's 8-bit conversion.
-ELSEWHERE_ON_BUNDLED = (
-    {"engine": "lemon-mlx-engine (head's cache reset each step, pre-norm state)", "n_draft": 2,
-     "acceptance": (0.74, 0.83), "source": "qmtplemon2026"},
-    {"engine": "qmtp (head's cache kept, post-norm state)", "n_draft": 2, "acceptance": (0.87, 0.88),
-     "source": "qmtplemon2026"},
-)
-
-
 def sources() -> set[str]:
     """Every bib key a published figure here rests on."""
-    return {r.source for r in FIELD} | {r["source"] for r in ELSEWHERE_ON_BUNDLED}
+    return {r.source for r in FIELD}
 
 
 # ---- the cost model's view of a row -------------------------------------------------------------------------
