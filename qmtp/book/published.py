@@ -271,8 +271,8 @@ def explain(p: Prediction) -> str:
     speed = f"plain decoding ran at {p.plain_share:.0%} of the bandwidth bound"
     if not p.comparable:
         why = "; ".join(CONDITIONS[c] for c in p.row.conditions if c in NOT_COMPARABLE)
-        return (f"not comparable: {why}. The bound is that of the GPU's memory alone, so {speed[0].lower()}"
-                f"{speed[1:]} (weights partly in system memory).")
+        return (f"not comparable: {why}. Against the bound of the GPU's memory alone, plain decoding ran at "
+                f"{p.plain_share:.0%} of it (weights partly in system memory).")
     if agrees(p):
         head = "agrees within 10%"
     else:

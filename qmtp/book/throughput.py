@@ -388,16 +388,22 @@ def rates_for(n_draft: int, acceptance: float | None = None) -> list[float]:
 
 ACCEPTANCE_RULE = (
     "acceptance as the engines count it, drafts accepted over drafts proposed: a run's own where its source "
-    "gives one (one rate for every draft position, giving its tokens per pass), and otherwise the reported "
-    "{a2:.2f} at n_draft=2 and {a3:.2f} at n_draft=3, read as per-position rates of {r1:.2f} and {r2:.2f} that "
-    "shrink by the same ratio at later positions")
+    "gives one (one rate for every draft position, giving the same tokens per pass), and otherwise {reported}")
+REPORTED_ACCEPTANCE = (
+    "the reported overall acceptance, {a2:.2f} at n_draft=2 and {a3:.2f} at n_draft=3, read as per-position "
+    "rates of {r1:.2f} and {r2:.2f} that shrink by the same ratio at later positions")
+
+
+def reported_acceptance() -> str:
+    """`REPORTED_ACCEPTANCE` with its numbers: the acceptance a prediction assumes where none is given."""
+    r1, r2 = reported_rates(2)
+    return REPORTED_ACCEPTANCE.format(a2=CLAIMS["acceptance_n_draft_2"].value,
+                                      a3=CLAIMS["acceptance_n_draft_3"].value, r1=r1, r2=r2)
 
 
 def acceptance_rule() -> str:
     """`ACCEPTANCE_RULE` with its numbers: the sentence every page that predicts a speedup shows."""
-    r1, r2 = reported_rates(2)
-    return ACCEPTANCE_RULE.format(a2=CLAIMS["acceptance_n_draft_2"].value,
-                                  a3=CLAIMS["acceptance_n_draft_3"].value, r1=r1, r2=r2)
+    return ACCEPTANCE_RULE.format(reported=reported_acceptance())
 
 
 def machine_prediction(bandwidth: float, n_draft: int, bits: int = 4, context: int = DEFAULT_CONTEXT,
