@@ -423,3 +423,29 @@ def grouped_bars(labels, series: dict, ylabel: str, xlabel: str | None = None, y
     ax.legend(frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(series))
     fig.tight_layout()
     return fig
+
+
+def machines_scaling(rows: list[dict], memory: str):
+    """Predicted tokens/s against the number of machines (rows of `qmtp.book.beyond.prediction_rows`) at one
+    memory: per link, plain decoding (dashed) and the best n_draft (solid, its n_draft written by each point)."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.4))
+    links = list(dict.fromkeys(r["link"] for r in rows if r["memory"] == memory))
+    colours = (TRUNK, ACCEPTED, REJECTED, "#888888")
+    for link, colour in zip(links, colours):
+        line = [r for r in rows if r["memory"] == memory and r["link"] == link]
+        ns = [r["ranks"] for r in line]
+        ax.plot(ns, [r["plain tok/s"] for r in line], "--", marker="o", ms=3, color=colour, lw=1)
+        ax.plot(ns, [r["best tok/s"] for r in line], "-", marker="o", ms=3, color=colour, label=link)
+        for r in line:
+            ax.annotate(str(r["best n_draft"]), (r["ranks"], r["best tok/s"]), textcoords="offset points",
+                        xytext=(3, 4), fontsize=8, color=colour)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["ranks"] for r in rows}))
+    ax.set_xticklabels([str(n) for n in sorted({r["ranks"] for r in rows})])
+    ax.set_xlabel("machines (one rank each)")
+    ax.set_ylabel("predicted tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=9,
+              title="solid: best n_draft, dashed: plain decoding", title_fontsize=9)
+    fig.tight_layout()
+    return fig

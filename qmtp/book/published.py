@@ -192,9 +192,36 @@ FIELD = (
               "trunk's width (4 bits) is assumed"),
 )
 
+# ---- links between machines: the latency of one small all_sum (chapter 9's cost model) --------------------------
+@dataclass(frozen=True)
+class Link:
+    """A published latency of one small message between two machines, as the source states it. `bound`:
+    "at most" where the source gives an upper bound ("< 50 us"), "about" where it gives a round figure."""
+
+    key: str
+    name: str
+    seconds: float
+    bound: str
+    source: str  # bib key in book/references.bib
+    url: str
+    checked: bool
+    where: str
+
+
+LINKS = (
+    Link("rdma_thunderbolt5", "RDMA over Thunderbolt 5 (MLX's JACCL backend)", 50e-6, "at most", "geerling2025rdma",
+         "https://www.jeffgeerling.com/blog/2025/15-tb-vram-on-mac-studio-rdma-over-thunderbolt-5", True,
+         "blog post of 2025-12-18, introduction: RDMA lowers memory access latency \"from 300us down to < 50us\" "
+         "on four M3 Ultra Mac Studios (read in the archive.is copy of the page)"),
+    Link("tcp_between_macs", "TCP between Macs (before RDMA)", 300e-6, "about", "geerling2025rdma",
+         "https://www.jeffgeerling.com/blog/2025/15-tb-vram-on-mac-studio-rdma-over-thunderbolt-5", True,
+         "the same sentence: the latency RDMA replaces, TCP/IP between the Macs"),
+)
+
+
 def sources() -> set[str]:
     """Every bib key a published figure here rests on."""
-    return {r.source for r in FIELD}
+    return {r.source for r in FIELD} | {k.source for k in LINKS}
 
 
 # ---- the cost model's view of a row -------------------------------------------------------------------------
