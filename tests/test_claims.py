@@ -225,8 +225,9 @@ def test_every_page_prices_a_machine_by_the_same_prediction():
         same = throughput.machine_prediction(row.bandwidth, p.n_draft, bits=row.bits, context=row.context,
                                              acceptance=row.acceptance_mid)
         assert p.speedup == pytest.approx(same.speedup, rel=1e-12), row.key
+        rates = throughput.rates_for(p.n_draft, row.acceptance_mid)
         table = throughput.real_model_table(bits=(row.bits,), bandwidth=row.bandwidth, n_drafts=(p.n_draft,),
-                                            context=row.context, rates=throughput.rates_for(p.n_draft, row.acceptance_mid))
+                                            context=row.context, rates=rates)
         moe = next(r for r in table if r["model"] == "MoE")
         assert moe["speedup"] == pytest.approx(p.speedup, rel=1e-12), row.key
     # a row without an acceptance is priced with chapter 6's default, the reported rates

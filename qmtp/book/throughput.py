@@ -48,10 +48,10 @@ and raises the speedup towards tau. Paid by every head draft as well, a step at 
 for tau < n_draft tokens, and it lowers the speedup towards tau / n_draft (`Machine.overhead`,
 `Machine.head_overhead`; `overhead_effect` computes both).
 
-**6. One prediction for a machine** (`machine_prediction`): every page that prices MTP on a machine (chapter 6,
-the findings, chapter 8's published rows) calls it, with the same assumptions: the real config, its trunk at
-`bits`, its head in bf16 (`HEAD_BITS`), purely memory-bound (no fixed cost), and the acceptance of
-`rates_for` (`ACCEPTANCE_RULE` says it in words).
+**6. One prediction for a machine** (`machine_prediction`): every page that prices MTP on one machine (chapter
+6, the findings, chapter 8's published rows) calls it, with the same assumptions: the real config, its trunk at
+`bits`, its head in bf16 (`HEAD_BITS`), purely memory-bound (no fixed cost), and the acceptance of `rates_for`
+(`ACCEPTANCE_RULE` says it in words). Chapter 9's N machines (point 5) take the same head and acceptance.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ from ..sizes import SizeReport, sizes
 from .claims import CLAIMS
 
 GB = 1e9
+HEAD_BITS = None  # the head in bf16: as this book converts it (chapter 4) and as the published engines load it
+DEFAULT_CONTEXT = 4096  # tokens in the cache while decoding, where a page does not know them
 
 
 # ---- 1. experts a pass touches --------------------------------------------------------------------------------
@@ -315,7 +317,7 @@ def predicted_speedup(config: ModelConfig, report: SizeReport, rates, n_draft: i
 
 
 def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_drafts=range(1, 6),
-                     context: int = 4096, overhead: float = 0.0, head_overhead: float | None = None,
+                     context: int = DEFAULT_CONTEXT, overhead: float = 0.0, head_overhead: float | None = None,
                      mtp_bits=None, config: ModelConfig | None = None) -> list[dict]:
     """Predicted tokens/s and speedup vs n_draft for Qwen3.6-35B-A3B (MoE) and a dense model of equal active
     size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s (`machine_prediction`).
@@ -342,11 +344,81 @@ def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_dra
     return rows
 
 
+# ---- 5. the experts spread over N machines (`qmtp.parallel`) ------------------------------------------------------
+# Each of N ranks holds E/N experts of every MoE layer and everything else whole, and reads from its own memory
+# while the others read theirs: a pass takes as long as its busiest rank, plus one all_sum per MoE layer. A
+# verify pass over n tokens reads the union of their experts; spread over N machines, each reads its share of
+# that union in parallel, so the union's growth with n costs each machine 1/N of what it costs one. The
+# replicated part (mixers, routers, shared experts, lm_head) is read whole by every rank and does not shrink.
+# This assumes one rank per machine: ranks sharing a machine share its memory bandwidth and cores.
+def busiest_rank_experts(n_experts: int, top_k: int, n_tokens: int, ranks: int) -> float:
+    """Expected experts of one layer the busiest of `ranks` ranks reads in a pass over `n_tokens` tokens.
+
+    Under independent uniform routing each expert is in the pass's union with probability
+    p = 1 - (1 - k/E)^n (`expected_union` / E); taking the experts as independent, a rank's count is
+    Binomial(E/N, p) and the expected largest of N such counts is sum_{m>=0} (1 - F(m)^N), F the binomial CDF.
+    With N > 1, a rank also reads the first expert of its block for the chosen experts it does not hold (their
+    rows are computed there and thrown away, so the step keeps fixed shapes): one more expert, unless it is in
+    the union already (probability p)."""
+    if n_experts % ranks:
+        raise ValueError(f"{n_experts} experts do not split over {ranks} ranks")
+    if ranks == 1:
+        return expected_union(n_experts, top_k, n_tokens)
+    held = n_experts // ranks
+    p = 1.0 - (1.0 - top_k / n_experts) ** n_tokens
+    cdf, below, expected_max = 0.0, [], 0.0
+    for m in range(held + 1):
+        cdf += math.comb(held, m) * p**m * (1 - p) ** (held - m)
+        below.append(min(cdf, 1.0))
+    expected_max = sum(1.0 - f**ranks for f in below[:-1])
+    return expected_max + (1.0 - p)
+
+
+def parallel_pass_seconds(config: ModelConfig, report: SizeReport, n_tokens: int, ranks: int, machine: Machine,
+                          all_sum_seconds: float, context: int = 0, cache_bytes: int = 2) -> float:
+    """Seconds of one trunk pass over `n_tokens` tokens with the experts over `ranks` machines of `machine`'s
+    bandwidth: the busiest rank's bytes (the replicated part, and `busiest_rank_experts` of each layer) over
+    the bandwidth, the machine's overhead, and one all_sum per MoE layer (`all_sum_seconds` each)."""
+    E, k, L = config.num_experts, config.num_experts_per_tok, config.num_hidden_layers
+    breakdown = trunk_pass_bytes(config, report, n_tokens, context, 0, cache_bytes)  # 0 experts: the rest
+    per_expert = report.trunk["routed experts"] / (E * L)
+    experts = L * per_expert * busiest_rank_experts(E, k, n_tokens, ranks)
+    return machine.seconds(total(breakdown) + experts) + (L * all_sum_seconds if ranks > 1 else 0.0)
+
+
+def parallel_head_seconds(config: ModelConfig, report: SizeReport, ranks: int, machine: Machine,
+                          all_sum_seconds: float, context: int = 0, cache_bytes: int = 2) -> float:
+    """Seconds of one head draft step over `ranks` machines: its replicated part, the busiest rank's share of
+    the k experts one token chooses, and the head layer's one all_sum."""
+    E, k = config.num_experts, config.num_experts_per_tok
+    whole = head_step_bytes(config, report, context, cache_bytes)
+    routed = report.head["routed experts"]
+    replicated = total(whole) - routed / E * k
+    experts = routed / E * busiest_rank_experts(E, k, 1, ranks)
+    return machine.seconds(replicated + experts, head=True) + (all_sum_seconds if ranks > 1 else 0.0)
+
+
+def parallel_predictions(config: ModelConfig, report: SizeReport, rates, machine: Machine, all_sum_seconds: float,
+                         ranks=(1, 2, 4, 8), n_drafts=range(1, 6), context: int = 0, cache_bytes: int = 2) -> list[dict]:
+    """Predicted tokens/s at each (N, n_draft), the speedup of MTP over plain decoding at the same N, and
+    whether n_draft is the best at that N: does spreading the experts make MTP pay where it does not on one?"""
+    rates = list(rates)
+    rows = []
+    for n_ranks in ranks:
+        head = parallel_head_seconds(config, report, n_ranks, machine, all_sum_seconds, context, cache_bytes)
+        speeds = {}
+        for n in n_drafts:
+            step = parallel_pass_seconds(config, report, n, n_ranks, machine, all_sum_seconds, context,
+                                         cache_bytes) + (n - 1) * head
+            speeds[n] = expected_tokens_per_pass(rates[: n - 1]) / step
+        best = max(speeds, key=speeds.get)
+        plain = speeds.get(1)
+        rows += [{"ranks": n_ranks, "n_draft": n, "tokens_per_second": s,
+                  "speedup_vs_plain": s / plain if plain else None, "best": n == best} for n, s in speeds.items()]
+    return rows
+
+
 # ---- 6. one prediction for a machine, the same on every page --------------------------------------------------
-HEAD_BITS = None  # the head in bf16: as this book converts it (chapter 4) and as the published engines load it
-DEFAULT_CONTEXT = 4096  # tokens in the cache while decoding, where a page does not know them
-
-
 def reported_rates(positions: int) -> list[float]:
     """Per-position acceptance rates a_1, a_2, ... from the two reported overall rates (`CLAIMS`).
 
@@ -436,77 +508,3 @@ def overhead_effect(bandwidth: float, n_draft: int, overhead: float, bits: int =
         "every pass and draft": machine_prediction(bandwidth, n_draft, bits, context, overhead=overhead,
                                                    head_overhead=overhead).speedup,
     }
-
-
-# ---- 5. the experts spread over N machines (`qmtp.parallel`) ------------------------------------------------------
-# Each of N ranks holds E/N experts of every MoE layer and everything else whole, and reads from its own memory
-# while the others read theirs: a pass takes as long as its busiest rank, plus one all_sum per MoE layer. A
-# verify pass over n tokens reads the union of their experts; spread over N machines, each reads its share of
-# that union in parallel, so the union's growth with n costs each machine 1/N of what it costs one. The
-# replicated part (mixers, routers, shared experts, lm_head) is read whole by every rank and does not shrink.
-# This assumes one rank per machine: ranks sharing a machine share its memory bandwidth and cores.
-def busiest_rank_experts(n_experts: int, top_k: int, n_tokens: int, ranks: int) -> float:
-    """Expected experts of one layer the busiest of `ranks` ranks reads in a pass over `n_tokens` tokens.
-
-    Under independent uniform routing each expert is in the pass's union with probability
-    p = 1 - (1 - k/E)^n (`expected_union` / E); taking the experts as independent, a rank's count is
-    Binomial(E/N, p) and the expected largest of N such counts is sum_{m>=0} (1 - F(m)^N), F the binomial CDF.
-    With N > 1, a rank also reads the first expert of its block for the chosen experts it does not hold (their
-    rows are computed there and thrown away, so the step keeps fixed shapes): one more expert, unless it is in
-    the union already (probability p)."""
-    if n_experts % ranks:
-        raise ValueError(f"{n_experts} experts do not split over {ranks} ranks")
-    if ranks == 1:
-        return expected_union(n_experts, top_k, n_tokens)
-    held = n_experts // ranks
-    p = 1.0 - (1.0 - top_k / n_experts) ** n_tokens
-    cdf, below, expected_max = 0.0, [], 0.0
-    for m in range(held + 1):
-        cdf += math.comb(held, m) * p**m * (1 - p) ** (held - m)
-        below.append(min(cdf, 1.0))
-    expected_max = sum(1.0 - f**ranks for f in below[:-1])
-    return expected_max + (1.0 - p)
-
-
-def parallel_pass_seconds(config: ModelConfig, report: SizeReport, n_tokens: int, ranks: int, machine: Machine,
-                          all_sum_seconds: float, context: int = 0, cache_bytes: int = 2) -> float:
-    """Seconds of one trunk pass over `n_tokens` tokens with the experts over `ranks` machines of `machine`'s
-    bandwidth: the busiest rank's bytes (the replicated part, and `busiest_rank_experts` of each layer) over
-    the bandwidth, the machine's overhead, and one all_sum per MoE layer (`all_sum_seconds` each)."""
-    E, k, L = config.num_experts, config.num_experts_per_tok, config.num_hidden_layers
-    breakdown = trunk_pass_bytes(config, report, n_tokens, context, 0, cache_bytes)  # 0 experts: the rest
-    per_expert = report.trunk["routed experts"] / (E * L)
-    experts = L * per_expert * busiest_rank_experts(E, k, n_tokens, ranks)
-    return machine.seconds(total(breakdown) + experts) + (L * all_sum_seconds if ranks > 1 else 0.0)
-
-
-def parallel_head_seconds(config: ModelConfig, report: SizeReport, ranks: int, machine: Machine,
-                          all_sum_seconds: float, context: int = 0, cache_bytes: int = 2) -> float:
-    """Seconds of one head draft step over `ranks` machines: its replicated part, the busiest rank's share of
-    the k experts one token chooses, and the head layer's one all_sum."""
-    E, k = config.num_experts, config.num_experts_per_tok
-    whole = head_step_bytes(config, report, context, cache_bytes)
-    routed = report.head["routed experts"]
-    replicated = total(whole) - routed / E * k
-    experts = routed / E * busiest_rank_experts(E, k, 1, ranks)
-    return machine.seconds(replicated + experts, head=True) + (all_sum_seconds if ranks > 1 else 0.0)
-
-
-def parallel_predictions(config: ModelConfig, report: SizeReport, rates, machine: Machine, all_sum_seconds: float,
-                         ranks=(1, 2, 4, 8), n_drafts=range(1, 6), context: int = 0, cache_bytes: int = 2) -> list[dict]:
-    """Predicted tokens/s at each (N, n_draft), the speedup of MTP over plain decoding at the same N, and
-    whether n_draft is the best at that N: does spreading the experts make MTP pay where it does not on one?"""
-    rates = list(rates)
-    rows = []
-    for n_ranks in ranks:
-        head = parallel_head_seconds(config, report, n_ranks, machine, all_sum_seconds, context, cache_bytes)
-        speeds = {}
-        for n in n_drafts:
-            step = parallel_pass_seconds(config, report, n, n_ranks, machine, all_sum_seconds, context,
-                                         cache_bytes) + (n - 1) * head
-            speeds[n] = expected_tokens_per_pass(rates[: n - 1]) / step
-        best = max(speeds, key=speeds.get)
-        plain = speeds.get(1)
-        rows += [{"ranks": n_ranks, "n_draft": n, "tokens_per_second": s,
-                  "speedup_vs_plain": s / plain if plain else None, "best": n == best} for n, s in speeds.items()]
-    return rows
