@@ -483,9 +483,22 @@ glue(
     ),
     display=False,
 )
-step_fixed = cost["loop_overhead"] + cost["pass_fixed"]
-glue("tiny_step_fixed_ms", step_fixed * 1e3, display=False)
-glue("tiny_fixed_over_token", step_fixed / cost["pass_per_token"], display=False)
+step_fixed = cost["loop_overhead"] + cost["pass_fixed"]  # t_loop + t_0
+per_token = cost["pass_per_token"]
+glue(
+    "tiny_fixed_phrase",
+    (
+        "What a step costs whatever its width, the loop's cost and the passes' fixed "
+        f"cost together, {step_fixed * 1e3:.1f} ms, is {step_fixed / per_token:.0f} "
+        "times what one more token of the pass adds"
+        if per_token > 0
+        else "In this run the passes timed alone did not grow with their tokens (a "
+        "slope of "
+        f"{per_token * 1e3:.2f} ms per token is the shared machine's noise), so nearly "
+        f"all of a step's cost, {step_fixed * 1e3:.1f} ms, is fixed"
+    ),
+    display=False,
+)
 glue("tiny_fixed_ms", cost["pass_fixed"] * 1e3, display=False)
 glue("tiny_token_ms", cost["pass_per_token"] * 1e3, display=False)
 glue("tiny_head_ms", cost["head_per_draft"] * 1e3, display=False)
@@ -542,10 +555,9 @@ fig = plots.measured_vs_predicted(report)
 # step); "model ms" is $t_\text{step}(n)$. A plain pass timed alone takes {glue:text}`tiny_pass_ms:.1f` ms
 # and reads {glue:text}`tiny_mb_pass:.1f` MB; {glue:text}`tiny_loop_phrase`. The passes cost
 # {glue:text}`tiny_fixed_ms:.1f` ms plus {glue:text}`tiny_token_ms:.2f` ms per token, a head draft
-# {glue:text}`tiny_head_ms:.2f` ms. What a step costs whatever its width, $t_\text{loop} + t_0$ =
-# {glue:text}`tiny_step_fixed_ms:.1f` ms, is {glue:text}`tiny_fixed_over_token:.0f` times what one more token
-# of the pass adds: that fixed cost per step is what the dispatch-bound story is about, and the reason
-# drafting can pay on the tiny model, since it is shared by every token the step yields.
+# {glue:text}`tiny_head_ms:.2f` ms. {glue:text}`tiny_fixed_phrase`: that fixed cost per step,
+# $t_\text{loop} + t_0$, is what the dispatch-bound story is about, and the reason drafting can pay on the
+# tiny model, since it is shared by every token the step yields.
 #
 # At `n_draft=2` the loop model predicts {glue:text}`tiny_pred_n2:.2f`x and {glue:text}`tiny_meas_n2:.2f`x is
 # measured. The largest gap is at `n_draft` = {glue:text}`tiny_worst_n`, the prediction
