@@ -56,7 +56,8 @@ import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
 from qmtp import mtp
-from qmtp.book import budget, evaluate, inventory, machine, plots, published, results
+from qmtp.book import budget, evaluate, inventory, machine, outside_build, plots
+from qmtp.book import results
 from qmtp.book import widgets
 
 path = inventory.model_path()
@@ -386,9 +387,10 @@ for short, label in names.items():
 # (lowest {glue:text}`prepost_cosine_min:.3f`). How far apart they are on the real model, and what that costs,
 # needs its weights.
 #
-# **lemon-mlx-engine on this model, published elsewhere.** lemon-mlx-engine, which resets the head's cache and
-# feeds it the pre-norm state, was run on this book's bundled model outside this build; the figures below are
-# that report's {cite:p}`qmtplemon2026`, not measurements of this build. It ran the bundled model's 8-bit
+# **lemon-mlx-engine on this model, measured outside this build.** lemon-mlx-engine, which resets the head's
+# cache and feeds it the pre-norm state, was run on this book's bundled model by this project, outside this
+# build; the figures below are from the project's record of that run {cite:p}`qmtplemon2026`: neither
+# published by others nor measured by this build. It ran the bundled model's 8-bit
 # conversion with its own code, so quantization differs from the float model measured above, where the same
 # two choices together give {glue:text}`ch_lemon_first:.2f`.
 
@@ -398,19 +400,15 @@ display(
         inventory.markdown_table(
             [
                 {
-                    "engine (published elsewhere, not measured here)": r["engine"],
+                    "engine": r["engine"],
                     "n_draft": r["n_draft"],
                     "acceptance": "{:.2f} to {:.2f}".format(*r["acceptance"]),
-                    "source": f"{{cite:p}}`{r['source']}`",
+                    "measured by": outside_build.MEASURED_BY,
+                    "record": f"{{cite:p}}`{r['source']}`",
                 }
-                for r in published.ELSEWHERE_ON_BUNDLED
+                for r in outside_build.ON_BUNDLED
             ],
-            [
-                "engine (published elsewhere, not measured here)",
-                "n_draft",
-                "acceptance",
-                "source",
-            ],
+            ["engine", "n_draft", "acceptance", "measured by", "record"],
         )
     )
 )

@@ -140,14 +140,28 @@ outside = {n: max(0.0, 1 - passes_ms[n] / step_ms[n]) for n in by_n}
 glue("plain_step_ms", step_ms[1], display=False)
 glue("plain_outside", outside[1], display=False)
 glue("n4_outside", outside[4], display=False)
+phases = by_n[2]["phase_seconds_per_pass"]
+queue_share = phases.get("build", 0) * 1e3 / step_ms[2]
+wait_share = phases.get("sync", 0) * 1e3 / step_ms[2]
 glue(
-    "queue_share_n2",
-    by_n[2]["phase_seconds_per_pass"].get("build", 0) * 1e3 / step_ms[2],
-    display=False,
-)
-glue(
-    "wait_share_n2",
-    by_n[2]["phase_seconds_per_pass"].get("sync", 0) * 1e3 / step_ms[2],
+    "phase_phrase",
+    (
+        "The loop's phase timers cannot split that part off: at `n_draft=2` \"queue\" "
+        "takes "
+        + (
+            "about the whole step"
+            if queue_share >= 0.95
+            else f"{queue_share:.0%} of a step"
+        )
+        + f" and \"wait\" {wait_share:.0%}, because on "
+        "the CPU MLX computes on the host's own cores, so queueing a step runs most "
+        "of its computation there and then, and waiting finds it done"
+        if queue_share + wait_share > outside[2] + 0.1
+        else "That part is the loop's: the host calling the compiled step and queueing "
+        f"it, {queue_share:.0%} of a step at `n_draft=2`, and waiting for its tokens, "
+        f"{wait_share:.0%}. On the CPU MLX computes on the host's own cores, so the "
+        "host's work and the computation take turns more than they overlap"
+    ),
     display=False,
 )
 
@@ -156,12 +170,10 @@ fig = plots.step_profile(report)
 
 # %% [markdown]
 # A plain step in the loop takes {glue:text}`plain_step_ms:.2f` ms, {glue:text}`plain_outside:.0%` of it
-# outside the pass itself ({glue:text}`n4_outside:.0%` at `n_draft=4`). That part is the loop's: the host
-# calling the compiled step and queueing it, which is {glue:text}`queue_share_n2:.0%` of a step at
-# `n_draft=2`, and waiting for its tokens, {glue:text}`wait_share_n2:.0%`. On the CPU MLX computes on the
-# host's own cores, so the host's work and the computation take turns more than they overlap. That cost per
-# step is what the loop model of {doc}`06_throughput` calls $t_\text{loop}$, and the reason drafting can pay
-# on the tiny model: a step's fixed cost is shared by every token the step yields.
+# outside the pass itself ({glue:text}`n4_outside:.0%` at `n_draft=4`). {glue:text}`phase_phrase`. The loop
+# model of {doc}`06_throughput` counts what the loop adds once per step ($t_\text{loop}$), beside the passes'
+# own fixed cost: a cost paid once per step is shared by every token the step yields, which is why drafting
+# can pay on the tiny model.
 #
 # ## Choosing the width as you go
 #
@@ -225,11 +237,12 @@ glue(
 #
 # ## What the lean loop buys
 #
-# Two choices make the loop above lean: each step is one compiled function (`mx.compile` traces
+# Two choices are meant to make the loop above lean: each step is one compiled function (`mx.compile` traces
 # `qmtp.decoding.step` once per width and replays the trace), and the host queues step s + 1 before it
-# reads the tokens of step s, so the machine never waits for Python. The same rounds ran the same loop with
+# reads the tokens of step s, so that the computation need not wait for Python. The same rounds ran the same loop with
 # one or both taken away (`generate(..., compiled=False, queue_ahead=False)`; `python -m qmtp bench mtp
-# --ablate 1 4` prints the same rows), at plain decoding and at `n_draft=4`:
+# --ablate 1 4` prints the same rows), at plain decoding and at `n_draft=4`, so that what each is worth is
+# measured:
 
 # %%
 ablation = report["ablation"]
@@ -268,42 +281,64 @@ display(
         )
     )
 )
+effects = bench.lean_loop_effects(ablation)
 eager = {r["n_draft"]: r for r in ablation if r["loop"].startswith("eager")}
-unqueued = {r["n_draft"]: r for r in ablation if not r["loop"].startswith("eager")}
+for n in (1, 4):
+    for half, what in (("trace", "the trace"), ("queue ahead", "queueing ahead")):
+        glue(
+            f"{half.replace(' ', '_')}_n{n}",
+            bench.effect_phrase(what, effects[n][half]),
+            display=False,
+        )
+    glue(f"both_n{n}", effects[n]["both"], display=False)
 glue("eager_n4_vs_lean_plain", eager[4]["tokens_per_second"] / lean[1], display=False)
 glue(
     "eager_n4_vs_eager_plain",
     eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"],
     display=False,
 )
-glue("eager_n1_of_lean", eager[1]["over_lean"], display=False)
-glue("unqueued_n4_of_lean", unqueued[4]["over_lean"], display=False)
 glue("lean_n4_vs_plain", lean[4] / lean[1], display=False)
-trace_gain = (
-    unqueued[4]["tokens_per_second"] / eager[4]["tokens_per_second"]
-)  # both read before queueing
-overlap_gain = 1 / unqueued[4]["over_lean"]
-glue("trace_gain", trace_gain, display=False)
-glue("overlap_gain", overlap_gain, display=False)
+worth = {"the trace": effects[4]["trace"], "queueing ahead": effects[4]["queue ahead"]}
 glue(
     "gain_verdict",
     (
-        "the trace is worth more than the overlap"
-        if trace_gain > overlap_gain
-        else "the overlap is worth more than the trace"
+        "neither half is worth measurably more than the other here"
+        if abs(worth["the trace"] - worth["queueing ahead"]) <= bench.NOISE
+        else f"{max(worth, key=worth.get)} is worth more here"
+    ),
+    display=False,
+)
+pays = {n: effects[n]["queue ahead"] > 1 + bench.NOISE for n in (1, 4)}
+glue(
+    "queue_note",
+    (
+        "Queueing ahead pays at both widths: the host prepares the next step while "
+        "the current one computes."
+        if pays[1] and pays[4]
+        else "Queueing ahead does not pay here at either width: on the CPU MLX "
+        "computes on the host's own cores, so the host cannot run far ahead of the "
+        "computation."
+        if not (pays[1] or pays[4])
+        else "Queueing ahead pays only at "
+        + ("plain decoding." if pays[1] else "`n_draft=4`.")
     ),
     display=False,
 )
 
 # %% [markdown]
-# Without its trace a step builds its graph operation by operation, which at the tiny model's sizes is a
-# large part of a step: eager plain decoding runs at {glue:text}`eager_n1_of_lean:.2f`x the lean loop.
-# Eager drafting at `n_draft=4` is {glue:text}`eager_n4_vs_eager_plain:.2f`x eager plain decoding, but
-# {glue:text}`eager_n4_vs_lean_plain:.2f`x the lean plain loop, against {glue:text}`lean_n4_vs_plain:.2f`x
-# for the lean one: a speculative loop is only faster if it beats a plain loop as lean as itself. At
-# `n_draft=4` the trace alone gives {glue:text}`trace_gain:.2f`x (both loops reading each step before
-# queueing the next) and queueing ahead another {glue:text}`overlap_gain:.2f`x: {glue:text}`gain_verdict`
-# here (on the CPU, MLX lets the host run only a little ahead of the computation).
+# "of the lean loop" is, for each round, a loop's speed over the lean loop's at the same `n_draft`, and its
+# median over the rounds, so that a slow spell of the shared machine falls on both sides of the ratio; "tok/s"
+# and "vs plain (lean)" are medians of each loop's own speeds, so the two columns need not match exactly.
+# From the per-round ratios, at plain decoding {glue:text}`trace_n1` (both loops reading each step before
+# queueing the next), and {glue:text}`queue_ahead_n1`; the lean loop, with both, runs at
+# {glue:text}`both_n1:.2f`x the eager loop without either. At `n_draft=4` {glue:text}`trace_n4`, and
+# {glue:text}`queue_ahead_n4`; both together, {glue:text}`both_n4:.2f`x: {glue:text}`gain_verdict`.
+# {glue:text}`queue_note`
+#
+# A speculative loop is only faster if it beats a plain loop as lean as itself. Eager drafting at
+# `n_draft=4` runs at {glue:text}`eager_n4_vs_eager_plain:.2f`x eager plain decoding and
+# {glue:text}`eager_n4_vs_lean_plain:.2f`x the lean plain loop; the lean loop at `n_draft=4` runs at
+# {glue:text}`lean_n4_vs_plain:.2f`x its own plain decoding.
 #
 # ## The matrix products: which BLAS
 #

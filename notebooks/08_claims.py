@@ -47,7 +47,7 @@
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp.book import claims, inventory, published, results
+from qmtp.book import claims, inventory, outside_build, published, results, throughput
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -235,13 +235,17 @@ Markdown(
 # %% [markdown]
 # so {term}`n_draft` = 2 is one {term}`draft` of the {term}`head` per step. For each row, the cost model
 # (`published.predict`) prices a step from the bytes it reads at the row's memory bandwidth (the peak of the
-# memory that holds the weights, from its bus width and transfer rate), its width and context, with the head
-# in bf16, and turns the row's acceptance into {term}`tokens per pass`, $1 + (n_\text{draft} - 1)\,a$, since
-# these engines propose every draft of a step. Where a source gives no draft length or acceptance, the prediction assumes one draft at the reported
-# acceptance at `n_draft=2` and says so.
+# memory that holds the weights, from its bus width and transfer rate), its width and context. It is the one
+# prediction that {doc}`06_throughput` and {doc}`findings` use (`throughput.machine_prediction`): the head
+# in bf16, no fixed cost per pass, and {glue:text}`acceptance_rule`. With a row's own acceptance $a$, a step
+# yields $1 + (n_\text{draft} - 1)\,a$ {term}`tokens per pass`, since these engines propose every draft of a
+# step. A source that gives no draft length is priced at `n_draft=2`, and the row says so. A row whose
+# weights sit partly in system memory is not priced: {glue:text}`offload_reason`.
 
 # %% tags=["hide-input"]
 field = published.field_table()
+glue("acceptance_rule", throughput.acceptance_rule(), display=False)
+glue("offload_reason", published.CONDITIONS["partial_offload"], display=False)
 
 
 def run(r):
@@ -261,12 +265,16 @@ Markdown(
                 tps=f"{r['plain tok/s']:.1f} → {r['MTP tok/s']:.1f}",
                 src=source(r),
                 published=r["published speedup"],
-                model=r["predicted speedup"],
+                model=(
+                    f"{r['predicted speedup']:.2f}x"
+                    if r["comparable"]
+                    else "not comparable"
+                ),
             )
             for r in field
         ],
-        ["run", "n_draft", "acceptance", "tps", "published", "model", "src"],
-        {"published": "{:.2f}x", "model": "{:.2f}x"},
+        ["run", "n_draft", "acceptance", "context", "tps", "published", "model", "src"],
+        {"published": "{:.2f}x"},
     )
     .replace("| tps |", "| tok/s, plain → MTP |", 1)
     .replace("| src |", "| source |", 1)
@@ -274,11 +282,13 @@ Markdown(
 )
 
 # %% tags=["hide-input"]
-agree = [r for r in field if published.agrees(r["prediction"])]
-shares = [r["plain share"] for r in field]
+priced = [r for r in field if r["comparable"]]
+agree = [r for r in priced if published.agrees(r["prediction"])]
+shares = [r["plain share"] for r in priced]
 by_key = {r["key"]: r for r in field}
 short, long = by_key["rocm_vllm_strix_halo_128"], by_key["rocm_vllm_strix_halo_4096"]
 glue("field_n", len(field), display=False)
+glue("field_priced", len(priced), display=False)
 glue("field_agree", len(agree), display=False)
 glue("field_share_low", min(shares), display=False)
 glue("field_share_high", max(shares), display=False)
@@ -298,15 +308,20 @@ glue(
     display=False,
 )
 glue("kv_heads", real.num_key_value_heads, display=False)
+glue("ch6_context", throughput.DEFAULT_CONTEXT, display=False)
 
 # %% [markdown]
-# "published" is the source's speedup, MTP over plain tokens/s; "cost model" is the prediction for the row.
-# The published speedups run from {glue:text}`field_low:.2f`x to {glue:text}`field_high:.2f`x, and in
-# {glue:text}`field_agree` of {glue:text}`field_n` rows the cost model's speedup is within
-# {glue:text}`field_tol:.0%` of the published one. The agreement is in the ratio, not in speed: the engines'
-# plain decoding reached only {glue:text}`field_share_low:.0%` to {glue:text}`field_share_high:.0%` of what the
-# bandwidth allows ("plain bound" below), so their passes take far longer than bytes over bandwidth, yet a
-# verify pass costs about what its bytes say relative to a plain pass. Where the two part, the row says why:
+# "published" is the source's speedup, MTP over plain tokens/s; "cost model" is the prediction for the row;
+# "context" the tokens in the cache while decoding, as the row is priced (prompt and half the output), which
+# is why a row at the same bandwidth as {doc}`06_throughput`'s {glue:text}`ch6_context`-token example need
+# not give the same number. The published speedups run from {glue:text}`field_low:.2f`x to
+# {glue:text}`field_high:.2f`x. Of the {glue:text}`field_n` rows, the cost model prices
+# {glue:text}`field_priced`, and in {glue:text}`field_agree` of those its speedup is within
+# {glue:text}`field_tol:.0%` of the published one. Where they agree, it is in the ratio, not in speed: on the
+# rows it prices, the engines' plain decoding reached {glue:text}`field_share_low:.0%` to
+# {glue:text}`field_share_high:.0%` of what the bandwidth allows ("plain bound" below), so their passes take
+# longer than bytes over bandwidth, yet on those rows a verify pass costs about what its bytes say relative
+# to a plain pass. Where the two part, the row says why:
 
 # %% tags=["hide-input"]
 Markdown(
@@ -318,7 +333,7 @@ Markdown(
 )
 
 # %% [markdown]
-# The clearest disagreement is one engine on one machine with two prompt lengths: about
+# One disagreement isolates a cause: one engine on one machine with two prompt lengths. About
 # {glue:text}`short_context` tokens in context it gains {glue:text}`short_published:.2f`x, about
 # {glue:text}`long_context` it runs at {glue:text}`long_published:.2f`x, where the cost model predicts
 # {glue:text}`short_predicted:.2f`x and {glue:text}`long_predicted:.2f`x. In bytes the longer context hardly
@@ -330,26 +345,34 @@ Markdown(
 # The speedup claim is therefore what the field shows on GPUs and APUs whose passes follow their bytes; this
 # CPU, at the real widths, is not such a machine.
 #
-# ## Published elsewhere: acceptance on the bundled model
+# ## Measured outside this build: acceptance on the bundled model
 #
-# One more published figure concerns this book's own bundled model: lemon-mlx-engine and qmtp decoding the
-# same 8-bit conversion of it, on the same prompts, measured outside this build {cite:p}`qmtplemon2026`.
-# lemon-mlx-engine resets its head's KV cache every step and feeds the head the trunk's state before the final
-# norm; qmtp keeps the cache and feeds the state after it ({doc}`05_mtp_decoding`).
+# One more figure concerns this book's own bundled model, and it is not a published one: this project ran
+# lemon-mlx-engine and qmtp on the same 8-bit conversion of the bundled model, on the same prompts, outside this
+# build, and recorded the result in its notes {cite:p}`qmtplemon2026`. lemon-mlx-engine resets its head's KV
+# cache every step and feeds the head the trunk's state before the final norm; qmtp keeps the cache and feeds
+# the state after it ({doc}`05_mtp_decoding`). The last row is this build's own measurement, from chapter 5,
+# on the model as that chapter decodes it (not the 8-bit file).
 
 # %% tags=["hide-input"]
+outside = [
+    dict(
+        r,
+        acceptance=f"{r['acceptance'][0]:.2f}-{r['acceptance'][1]:.2f}",
+        by=f"{outside_build.MEASURED_BY}, {{cite:p}}`{r['source']}`",
+    )
+    for r in outside_build.ON_BUNDLED
+]
+here = {
+    "engine": "qmtp (head's cache kept, post-norm state)",
+    "n_draft": 2,
+    "acceptance": f"{saved['05_mtp_decoding']['acceptance']['2']:.2f}",
+    "by": f"measured here, {chapter('05_mtp_decoding')}",
+}
 Markdown(
     inventory.markdown_table(
-        [
-            dict(
-                r,
-                acceptance=f"{r['acceptance'][0]:.2f}-{r['acceptance'][1]:.2f}",
-                source="{cite:t}`%s`" % r["source"],
-            )
-            for r in published.ELSEWHERE_ON_BUNDLED
-        ],
-        ["engine", "n_draft", "acceptance", "source"],
-    )
+        outside + [here], ["engine", "n_draft", "acceptance", "by"]
+    ).replace("| by |", "| measured by |", 1)
 )
 
 # %% tags=["hide-input"]

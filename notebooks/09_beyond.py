@@ -50,7 +50,7 @@ import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
 from qmtp import sizes
-from qmtp.book import beyond, inventory, plots, published
+from qmtp.book import beyond, inventory, plots, published, throughput
 from qmtp.config import QWEN36_35B_A3B as REAL
 from qmtp.loading import BUNDLED_MODEL
 
@@ -257,12 +257,13 @@ for k in published.LINKS:
 # the TCP row. A fourth row, with no latency at all, is the bound that separates what the experts' split
 # does from what the links do. Each machine is given the memory bandwidth of an M3 Ultra or a Strix Halo
 # (`qmtp.book.published`, from the vendors' bus widths and transfer rates), one rank per machine, the
-# 35B-A3B at 4 bits with its head, 1024 tokens of context, and the acceptance the seed's reports give at
-# `n_draft` 2 and 3, extended geometrically as in {doc}`06_throughput`:
+# 35B-A3B at 4 bits with its head in bf16, 1024 tokens of context, and, as in {doc}`06_throughput`,
+# {glue:text}`reported_acceptance`:
 
 # %%
 memories = {"M3 Ultra": published.M3_ULTRA, "Strix Halo": published.STRIX_HALO}
 predicted = beyond.prediction_rows(REAL, 4, memories, links)
+glue("reported_acceptance", throughput.reported_acceptance(), display=False)
 display(
     Markdown(
         table(

@@ -165,3 +165,21 @@ def test_mlx_lm_twin_runs_our_arrays_in_mlx_lm_with_the_same_tokens(checkpoint):
     assert bench.decode(quantized, [list(range(1, 9))], max_tokens=6, repeats=1, reference=twin)["same_tokens"]
     ours = quantized.layers[0].mlp.experts.gate_proj.weight
     assert mx.array_equal(twin.language_model.model.layers[0].mlp.switch_mlp.gate_proj.weight, ours)
+
+
+def test_lean_loop_effects_split_the_ablation_into_its_halves():
+    ablation = [
+        {"loop": "not queued ahead", "n_draft": 1, "over_lean": 0.8},
+        {"loop": "eager, not queued ahead", "n_draft": 1, "over_lean": 0.5},
+        {"loop": "not queued ahead", "n_draft": 4, "over_lean": 1.25},
+        {"loop": "eager, not queued ahead", "n_draft": 4, "over_lean": 1.0},
+    ]
+    effects = bench.lean_loop_effects(ablation)
+    assert effects[1] == pytest.approx({"trace": 1.6, "queue ahead": 1.25, "both": 2.0})
+    assert effects[4] == pytest.approx({"trace": 1.25, "queue ahead": 0.8, "both": 1.0})
+
+
+@pytest.mark.parametrize("ratio, word", [(1.2, "faster"), (0.8, "slower"), (1.03, "no difference")])
+def test_effect_phrase_follows_the_ratio(ratio, word):
+    phrase = bench.effect_phrase("the trace", ratio)
+    assert word in phrase and f"{ratio:.2f}x" in phrase

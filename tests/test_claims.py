@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qmtp.book import claims, published, results
+from qmtp.book import claims, outside_build, published, results, throughput
 from qmtp.tiny import synthetic
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.loading import BUNDLED_MODEL
@@ -153,6 +153,7 @@ def test_every_claim_and_published_row_has_a_source_in_the_bibliography():
         assert row.source in keys, row.key
         assert row.url.startswith("https://"), row.key
     assert published.sources() <= keys
+    assert outside_build.sources() <= keys
 
 
 def test_every_bibliography_entry_is_cited_somewhere():
@@ -161,7 +162,8 @@ def test_every_bibliography_entry_is_cited_somewhere():
     for text in texts:
         for group in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text):
             cited |= {k.strip() for k in group.split(",")}
-    cited |= {k for c in claims.CLAIMS.values() for k in c.cite} | published.sources()  # cited in chapter 7's tables
+    cited |= {k for c in claims.CLAIMS.values() for k in c.cite} | published.sources()  # cited in chapter 8's tables
+    cited |= outside_build.sources()  # cited in chapters 5 and 8's tables of the project's own records
     assert bib_keys() <= cited, sorted(bib_keys() - cited)
 
 
@@ -169,7 +171,15 @@ def test_published_rows_are_labelled_as_published():
     for row in published.field_table():
         assert {"source", "url", "checked"} <= set(row)
         assert row["published speedup"] == pytest.approx(row["MTP tok/s"] / row["plain tok/s"])
-    assert all(r["source"] for r in published.ELSEWHERE_ON_BUNDLED)
+    assert not outside_build.sources() & published.sources()  # the project's own records are not published
+
+
+def test_the_projects_own_records_are_kept_apart_from_the_published():
+    assert all(r["source"] for r in outside_build.ON_BUNDLED)
+    assert not hasattr(published, "ELSEWHERE_ON_BUNDLED")
+    for name in ("05_mtp_decoding", "08_claims"):
+        text = (ROOT / "notebooks" / f"{name}.py").read_text()
+        assert "outside_build.ON_BUNDLED" in text and "outside_build.MEASURED_BY" in text, name
 
 
 @pytest.mark.parametrize("engine, value, n_draft", [
@@ -195,7 +205,7 @@ def test_the_cost_model_beside_a_published_row():
     assert published.STRIX_HALO.bandwidth == pytest.approx(256e9)
     assert published.M3_ULTRA.bandwidth == pytest.approx(819.2e9)
     for tau, k in ((1.8, 1), (2.4, 2), (3.0, 4)):
-        a = published.constant_rate(tau, k)
+        a = throughput.constant_rate(tau, k)
         assert 1 + sum(a**i for i in range(1, k + 1)) == pytest.approx(tau, abs=1e-9)
     row = next(r for r in published.FIELD if r.key == "vllm_mlx_m3_ultra")
     p = published.predict(row)
@@ -205,6 +215,50 @@ def test_the_cost_model_beside_a_published_row():
     assert set(published.predict(unknown).assumed) == {"n_draft", "acceptance"}
     long = next(r for r in published.FIELD if r.key == "rocm_vllm_strix_halo_4096")
     assert "long_context" in published.predict(long).reasons  # published below the model: the row says why
+
+
+def test_every_page_prices_a_machine_by_the_same_prediction():
+    """Chapter 6 (`real_model_table`, whose numbers the findings page reads) and chapter 8 (`published.predict`)
+    give the same number for the same machine, width, context, draft length and acceptance."""
+    for row in published.FIELD:
+        p = published.predict(row)
+        same = throughput.machine_prediction(row.bandwidth, p.n_draft, bits=row.bits, context=row.context,
+                                             acceptance=row.acceptance_mid)
+        assert p.speedup == pytest.approx(same.speedup, rel=1e-12), row.key
+        rates = throughput.rates_for(p.n_draft, row.acceptance_mid)
+        table = throughput.real_model_table(bits=(row.bits,), bandwidth=row.bandwidth, n_drafts=(p.n_draft,),
+                                            context=row.context, rates=rates)
+        moe = next(r for r in table if r["model"] == "MoE")
+        assert moe["speedup"] == pytest.approx(p.speedup, rel=1e-12), row.key
+    # a row without an acceptance is priced with chapter 6's default, the reported rates
+    unknown = next(r for r in published.FIELD if r.acceptance is None)
+    p = published.predict(unknown)
+    chapter_6 = throughput.real_model_table(bits=(unknown.bits,), bandwidth=unknown.bandwidth,
+                                            n_drafts=(p.n_draft,), context=unknown.context)
+    assert next(r for r in chapter_6 if r["model"] == "MoE")["speedup"] == pytest.approx(p.speedup, rel=1e-12)
+
+
+def test_reported_rates_give_the_reported_overall_acceptance():
+    a2, a3 = (claims.CLAIMS[k].value for k in ("acceptance_n_draft_2", "acceptance_n_draft_3"))
+    r1, r2 = throughput.reported_rates(2)
+    assert r1 == pytest.approx(a2)
+    assert (r1 + r1 * r2) / 2 == pytest.approx(a3)  # drafts accepted over drafts proposed at n_draft=3
+    assert throughput.rates_for(3, 0.7) == pytest.approx([throughput.constant_rate(2.4, 2)] * 2)
+
+
+def test_a_partly_offloaded_row_is_not_priced():
+    offloaded = [r for r in published.field_table() if "partial_offload" in r["prediction"].row.conditions]
+    assert offloaded
+    for r in offloaded:
+        assert r["predicted speedup"] is None and not r["comparable"]
+        assert not published.agrees(r["prediction"])
+        assert r["why"].startswith("not comparable")
+    assert all(r["comparable"] for r in published.field_table() if r not in offloaded)
+
+
+def test_a_fixed_cost_moves_the_speedup_by_who_pays_it():
+    effect = throughput.overhead_effect(256e9, 2, overhead=0.002)
+    assert effect["once per step"] > effect["memory-bound"] > effect["every pass and draft"]
 
 
 def test_glossary_page_defines_the_terms_and_is_in_the_toc():

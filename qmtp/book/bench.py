@@ -324,6 +324,31 @@ ABLATIONS = {"not queued ahead": dict(queue_ahead=False), "eager, not queued ahe
                                                                                          queue_ahead=False)}
 
 
+NOISE = 0.05  # a ratio of speeds within 5% of 1 is no measurable difference on a shared machine
+
+
+def lean_loop_effects(ablation: list[dict]) -> dict[int, dict[str, float]]:
+    """What each half of the lean loop is worth at each ablated n_draft, from `mtp`'s "ablation" rows (each a
+    variant's median, over the rounds, of its speed over the lean loop's in the same round): "trace", the
+    compiled step over the eager one, both reading each step before queueing the next; "queue ahead", the lean
+    loop over the same compiled loop without queueing ahead; "both", the lean loop over the eager, unqueued one.
+    A value above 1 means that half makes decoding faster."""
+    unqueued = {r["n_draft"]: r["over_lean"] for r in ablation if r["loop"] == "not queued ahead"}
+    eager = {r["n_draft"]: r["over_lean"] for r in ablation if r["loop"] == "eager, not queued ahead"}
+    return {n: {"trace": unqueued[n] / eager[n], "queue ahead": 1 / unqueued[n], "both": 1 / eager[n]}
+            for n in unqueued}
+
+
+def effect_phrase(what: str, ratio: float, tolerance: float = NOISE) -> str:
+    """A speed ratio (with `what` over without it) as a reader reads it: faster, slower, or no measurable
+    difference, with the number."""
+    if ratio > 1 + tolerance:
+        return f"{what} makes decoding faster, {ratio:.2f}x"
+    if ratio < 1 - tolerance:
+        return f"{what} makes decoding slower, {ratio:.2f}x"
+    return f"{what} makes no difference beyond the {tolerance:.0%} of noise ({ratio:.2f}x)"
+
+
 def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4, 5), repeats: int = 3,
         peer=None, auto: bool = True, ablate=()) -> dict:
     """Plain vs speculative decoding on the same prompts, interleaved; one record per n_draft.

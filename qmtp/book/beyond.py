@@ -208,26 +208,25 @@ def memory_rows(live: dict, unit: float = 2**20) -> list[dict]:
 
 # ---- the predictions -------------------------------------------------------------------------------------------
 def acceptance_rates(n_drafts) -> list[float]:
-    """Per-position rates from the reported acceptance at n_draft 2 and 3 (`claims.CLAIMS`), shrinking
-    geometrically after, as chapter 6 extends them (`throughput.geometric_rates`)."""
-    from .claims import CLAIMS
-    from .throughput import geometric_rates
+    """Per-position rates from the reported acceptance at n_draft 2 and 3, shrinking geometrically after: the
+    acceptance every prediction of the book assumes where none is given (`throughput.reported_rates`)."""
+    from .throughput import reported_rates
 
-    return geometric_rates(CLAIMS["acceptance_n_draft_2"].value, CLAIMS["acceptance_n_draft_3"].value,
-                           max(n_drafts) - 1)
+    return reported_rates(max(n_drafts) - 1)
 
 
 def prediction_rows(config, bits: int, memories: dict, latencies: dict, ranks=(1, 2, 4, 8),
                     n_drafts=range(1, 6), context: int = 1024) -> list[dict]:
     """The N-machine cost model (`throughput.parallel_predictions`) at each memory (name -> `published.Memory`)
     and per-layer all_sum latency (name -> seconds): one row per (memory, link, N) with plain tok/s, the best
-    n_draft, its tok/s and its speedup over plain decoding at that N. The head at the trunk's width; one rank
-    per machine, each of that memory's bandwidth; no fixed cost per pass beyond the all_sums."""
+    n_draft, its tok/s and its speedup over plain decoding at that N. The head in bf16, as every prediction of
+    the book assumes (`throughput.HEAD_BITS`); one rank per machine, each of that memory's bandwidth; no fixed
+    cost per pass beyond the all_sums."""
     from ..sizes import sizes
-    from .throughput import Machine, parallel_predictions
+    from .throughput import HEAD_BITS, Machine, parallel_predictions
 
     n_drafts = list(n_drafts)
-    report = sizes(config, bits, mtp_bits=bits)
+    report = sizes(config, bits, mtp_bits=HEAD_BITS)
     rates = acceptance_rates(n_drafts)
     rows = []
     for mem_name, memory in memories.items():

@@ -15,10 +15,11 @@ included (1 = plain decoding, 2 = one draft of the head). Other engines count dr
 **Acceptance** is the engines' "acceptance rate": drafts accepted over drafts proposed. When every step
 proposes all n_draft - 1 drafts (as llama.cpp and vLLM do at a fixed length), a step emits on average
 
-    tau = 1 + (n_draft - 1) * acceptance                                                   (`tokens_per_pass`)
+    tau = 1 + (n_draft - 1) * acceptance
 
-tokens, which is what the cost model needs; `predict` turns it into per-position rates that give the same
-tau (one rate for every position), since the cost model prices a step from those.
+tokens, which is what the cost model needs; `predict` prices a row by the one prediction every page uses,
+`throughput.machine_prediction`, which turns it into one per-position rate giving the same tau
+(`throughput.rates_for`), and assumes the reported rates where the source gives none.
 
 **Memory bandwidth** is the peak of the memory that holds the weights, computed from its bus width and
 transfer rate (vendor specifications): `bus_bits / 8 * megatransfers per second`.
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import QWEN36_35B_A3B, ModelConfig
-from .throughput import GB, Machine, predicted_speedup
+from .throughput import GB, HEAD_BITS
 
 ENGINE_DRAFT_COUNTS = {
     # engine: (its option, what it counts, how to get this book's n_draft from it)
@@ -127,14 +128,15 @@ class Published:
 # Why a published row and the cost model can part (the book says which applies to each row). Conditions a
 # source reports are listed in its row; the last two are the book's own reading when the source reports none.
 CONDITIONS = {
-    "partial_offload": "part of the weights sit in system memory, so a pass is priced by a slower memory than the "
-                       "GPU's",
+    "partial_offload": "part of the weights sit in system memory, read at its own, lower bandwidth, and the "
+                       "source does not say which part, so no one bandwidth prices a pass",
     "long_context": "a long prompt: each pass also reads and attends over a long KV cache, a cost that grows with "
                     "the tokens a verify pass holds",
     "compute_bound_verify": "a pass over several tokens costs clearly more than its bytes (the verify pass is "
                             "compute-bound)",
-    "engine_overhead": "a pass's time is mostly a fixed cost (kernel launches, synchronisation, sampling) that the "
-                       "tokens of a verify pass share, so verifying costs less than its bytes say",
+    "engine_overhead": "a pass's time is mostly a fixed cost (kernel launches, synchronisation, sampling), paid "
+                       "once per step and shared by the tokens a step yields, which raises the speedup above what the "
+                       "bytes alone predict (`throughput.overhead_effect`)",
     "batching": "the engine drops MTP when it batches requests; the row is one request at a time",
     "assumed": "the source gives no draft length or no acceptance, so the prediction assumes them",
     "unreported": "the source reports nothing the cost model leaves out; a verify pass that costs more than its "
@@ -190,16 +192,6 @@ FIELD = (
               "trunk's width (4 bits) is assumed"),
 )
 
-# Acceptance of engines on this book's bundled model, measured elsewhere (not in this build), kept apart from
-# FIELD: a different model, so no cost-model row. n_draft=2, greedy, the bundled model's 8-bit conversion.
-ELSEWHERE_ON_BUNDLED = (
-    {"engine": "lemon-mlx-engine (head's cache reset each step, pre-norm state)", "n_draft": 2,
-     "acceptance": (0.74, 0.83), "source": "qmtplemon2026"},
-    {"engine": "qmtp (head's cache kept, post-norm state)", "n_draft": 2, "acceptance": (0.87, 0.88),
-     "source": "qmtplemon2026"},
-)
-
-
 # ---- links between machines: the latency of one small all_sum (chapter 9's cost model) --------------------------
 @dataclass(frozen=True)
 class Link:
@@ -229,40 +221,22 @@ LINKS = (
 
 def sources() -> set[str]:
     """Every bib key a published figure here rests on."""
-    return {r.source for r in FIELD} | {r["source"] for r in ELSEWHERE_ON_BUNDLED} | {k.source for k in LINKS}
+    return {r.source for r in FIELD} | {k.source for k in LINKS}
 
 
 # ---- the cost model's view of a row -------------------------------------------------------------------------
 ASSUMED_N_DRAFT = 2  # for a row whose source does not give its draft length: one draft, the head's own depth
-
-
-def constant_rate(tokens_per_pass: float, drafts: int) -> float:
-    """The one per-position rate a with 1 + a + a^2 + ... + a^drafts = tokens_per_pass (bisection)."""
-    target = tokens_per_pass - 1.0
-    if drafts == 0 or target <= 0:
-        return 0.0
-    if target >= drafts:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid**i for i in range(1, drafts + 1)) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def tokens_per_pass(acceptance: float, n_draft: int) -> float:
-    """Tokens a step emits when every step proposes n_draft - 1 drafts and `acceptance` of them are kept."""
-    return 1.0 + (n_draft - 1) * acceptance
+# Conditions under which the cost model cannot price a row at all: with part of the weights in system memory,
+# a pass reads some bytes at the GPU's bandwidth and the rest at the system memory's, and without the split
+# (which the source does not give) no single bandwidth prices the row.
+NOT_COMPARABLE = ("partial_offload",)
 
 
 @dataclass(frozen=True)
 class Prediction:
     row: Published
     n_draft: int
-    acceptance: float
+    acceptance: float | None  # the row's (its midpoint for a range); None: the reported rates were assumed
     assumed: tuple[str, ...]  # which of n_draft and acceptance the source did not give
     tokens_per_pass: float
     plain_bound_tps: float  # bandwidth / bytes of a plain pass: the most plain decoding can reach
@@ -270,18 +244,23 @@ class Prediction:
     plain_share: float  # published plain tokens/s over the bound
     reasons: tuple[str, ...] = field(default=())  # keys of CONDITIONS that explain a gap
 
+    @property
+    def comparable(self) -> bool:
+        """Whether the cost model can price this row at all (`NOT_COMPARABLE`)."""
+        return not set(self.row.conditions) & set(NOT_COMPARABLE)
+
 
 AGREES = 0.10  # the prediction and the published speedup "agree" within 10% of the published one
 
 
-def predict(row: Published, config: ModelConfig = QWEN36_35B_A3B, default_acceptance: float = 0.78,
-            mtp_bits=None) -> Prediction:
-    """The cost model at the row's bandwidth, width, context, draft length and acceptance (those the source
-    does not give are assumed: `ASSUMED_N_DRAFT`, `default_acceptance`); the head in bf16 (`mtp_bits=None`),
-    as the book recommends and as the engines above load it. `reasons` names the `CONDITIONS` that explain
-    a gap between the two speedups, in the direction of the gap."""
+def predict(row: Published, config: ModelConfig = QWEN36_35B_A3B) -> Prediction:
+    """The cost model at the row's bandwidth, width, context, draft length and acceptance, by the one prediction
+    every page uses (`throughput.machine_prediction`: head in bf16, acceptance by `throughput.rates_for`). A draft
+    length the source does not give is assumed (`ASSUMED_N_DRAFT`); an acceptance it does not give is the
+    reported one. `reasons` names the `CONDITIONS` that explain a gap between the two speedups, in the direction
+    of the gap."""
+    from .throughput import machine_prediction, total, trunk_pass_bytes
     from ..sizes import sizes
-    from .throughput import total, trunk_pass_bytes
 
     assumed = []
     n = row.n_draft
@@ -289,11 +268,9 @@ def predict(row: Published, config: ModelConfig = QWEN36_35B_A3B, default_accept
         n, assumed = ASSUMED_N_DRAFT, assumed + ["n_draft"]
     a = row.acceptance_mid
     if a is None:
-        a, assumed = default_acceptance, assumed + ["acceptance"]
-    tau = tokens_per_pass(a, n)
-    rates = [constant_rate(tau, n - 1)] * (n - 1)
-    report = sizes(config, row.bits, mtp_bits=mtp_bits)
-    p = predicted_speedup(config, report, rates, n, Machine(row.bandwidth), context=row.context)
+        assumed.append("acceptance")
+    p = machine_prediction(row.bandwidth, n, bits=row.bits, context=row.context, acceptance=a, config=config)
+    report = sizes(config, row.bits, mtp_bits=HEAD_BITS)
     plain_bytes = total(trunk_pass_bytes(config, report, 1, row.context, config.num_experts_per_tok))
     bound = row.bandwidth / plain_bytes
     share = row.plain_tps / bound
@@ -307,16 +284,22 @@ def predict(row: Published, config: ModelConfig = QWEN36_35B_A3B, default_accept
             reasons.append("unreported")
         if assumed:
             reasons.append("assumed")
-    return Prediction(row, n, a, tuple(assumed), tau, bound, p.speedup, share, tuple(reasons))
+    return Prediction(row, n, a, tuple(assumed), p.tokens_per_pass, bound, p.speedup, share, tuple(reasons))
 
 
 def agrees(p: Prediction) -> bool:
-    return abs(p.row.speedup - p.speedup) <= AGREES * p.row.speedup
+    """The cost model's speedup within `AGREES` of the published one, on a row it can price."""
+    return p.comparable and abs(p.row.speedup - p.speedup) <= AGREES * p.row.speedup
 
 
 def explain(p: Prediction) -> str:
-    """Whether the cost model and the published speedup agree and, if not, why; and why the published plain
-    speed is where it is against the bandwidth bound."""
+    """Whether the cost model and the published speedup agree and, if not, why (or why the row cannot be
+    priced); and why the published plain speed is where it is against the bandwidth bound."""
+    speed = f"plain decoding ran at {p.plain_share:.0%} of the bandwidth bound"
+    if not p.comparable:
+        why = "; ".join(CONDITIONS[c] for c in p.row.conditions if c in NOT_COMPARABLE)
+        return (f"not comparable: {why}. Against the bound of the GPU's memory alone, plain decoding ran at "
+                f"{p.plain_share:.0%} of it (weights partly in system memory).")
     if agrees(p):
         head = "agrees within 10%"
     else:
@@ -324,27 +307,34 @@ def explain(p: Prediction) -> str:
     missing = " or ".join("draft length" if a == "n_draft" else a for a in p.assumed)
     parts = [head] + [f"the source gives no {missing}, so the prediction assumes {'them' if len(p.assumed) > 1 else 'it'}" if r == "assumed" else
                       CONDITIONS[r] for r in p.reasons]
-    speed = f"plain decoding ran at {p.plain_share:.0%} of the bandwidth bound"
     if p.plain_share < LOW_SHARE:
-        slow = "partial_offload" if "partial_offload" in p.row.conditions else "engine_overhead"
-        speed += " (" + ("weights partly in system memory" if slow == "partial_offload" else
-                         "a pass is mostly fixed cost") + ")"
+        speed += " (a pass is mostly fixed cost)"
     return "; ".join(parts) + ". " + speed[0].upper() + speed[1:] + "."
 
 
+def acceptance_shown(row: Published, p: Prediction) -> str:
+    """The acceptance a row is priced with, as the table shows it: the source's, or the reported rates."""
+    acc = row.acceptance
+    if isinstance(acc, tuple):
+        return f"{acc[0]:.2f}-{acc[1]:.2f}"
+    if acc is not None:
+        return f"{acc:.3f}"
+    return "reported rates (assumed)"
+
+
 def field_table(config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
-    """FIELD beside the cost model, one dict per row (for the book's table)."""
+    """FIELD beside the cost model, one dict per row (for the book's table); "predicted speedup" is None on a row
+    the cost model cannot price (`NOT_COMPARABLE`)."""
     rows = []
     for r in FIELD:
         p = predict(r, config)
-        acc = r.acceptance
         rows.append({
             "key": r.key, "engine": r.engine, "hardware": r.hardware, "GB/s": r.bandwidth / GB,
             "n_draft": f"{p.n_draft}" + (" (assumed)" if "n_draft" in p.assumed else ""),
-            "acceptance": (f"{acc[0]:.2f}-{acc[1]:.2f}" if isinstance(acc, tuple) else
-                           f"{acc:.3f}" if acc is not None else f"{p.acceptance:.2f} (assumed)"),
+            "acceptance": acceptance_shown(r, p),
             "plain tok/s": r.plain_tps, "MTP tok/s": r.mtp_tps, "published speedup": r.speedup,
-            "predicted speedup": p.speedup, "plain bound tok/s": p.plain_bound_tps, "plain share": p.plain_share,
+            "predicted speedup": p.speedup if p.comparable else None, "comparable": p.comparable,
+            "plain bound tok/s": p.plain_bound_tps, "plain share": p.plain_share,
             "context": r.context, "source": r.source, "url": r.url, "checked": r.checked,
             "why": explain(p), "prediction": p,
         })

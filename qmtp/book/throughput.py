@@ -40,7 +40,18 @@ tokens and costs one trunk pass over n_draft tokens plus k head steps, against t
 
 For a dense model of equal active size the verify pass reads the same weights as a one-token pass (U(n) = k
 for every n), so only the head's cost stands against tau; for the MoE the union of experts grows with n and
-eats most of the gain. That is the whole argument of "MTP is roughly throughput-neutral on an A3B MoE".
+eats most of the gain.
+
+**A fixed cost per pass** moves the speedup either way, depending on who pays it. Paid once per step (by the
+verify pass, the head's drafts sharing it, as in one compiled step), it is shared by the tau tokens of a step
+and raises the speedup towards tau. Paid by every head draft as well, a step at n_draft pays it n_draft times
+for tau < n_draft tokens, and it lowers the speedup towards tau / n_draft (`Machine.overhead`,
+`Machine.head_overhead`; `overhead_effect` computes both).
+
+**6. One prediction for a machine** (`machine_prediction`): every page that prices MTP on one machine (chapter
+6, the findings, chapter 8's published rows) calls it, with the same assumptions: the real config, its trunk at
+`bits`, its head in bf16 (`HEAD_BITS`), purely memory-bound (no fixed cost), and the acceptance of `rates_for`
+(`ACCEPTANCE_RULE` says it in words). Chapter 9's N machines (point 5) take the same head and acceptance.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ from ..sizes import SizeReport, sizes
 from .claims import CLAIMS
 
 GB = 1e9
+HEAD_BITS = None  # the head in bf16: as this book converts it (chapter 4) and as the published engines load it
+DEFAULT_CONTEXT = 4096  # tokens in the cache while decoding, where a page does not know them
 
 
 # ---- 1. experts a pass touches --------------------------------------------------------------------------------
@@ -304,30 +317,24 @@ def predicted_speedup(config: ModelConfig, report: SizeReport, rates, n_draft: i
 
 
 def real_model_table(bits=(4, 8), bandwidth: float = 256 * GB, rates=None, n_drafts=range(1, 6),
-                     context: int = 4096, overhead: float = 0.0, mtp_bits="same",
-                     config: ModelConfig | None = None) -> list[dict]:
+                     context: int = DEFAULT_CONTEXT, overhead: float = 0.0, head_overhead: float | None = None,
+                     mtp_bits=None, config: ModelConfig | None = None) -> list[dict]:
     """Predicted tokens/s and speedup vs n_draft for Qwen3.6-35B-A3B (MoE) and a dense model of equal active
-    size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s.
+    size, at each trunk width in `bits`, on a machine of `bandwidth` bytes/s (`machine_prediction`).
 
-    rates: per-position acceptance; default the reported rates at n_draft 2 and 3 (`qmtp.book.claims.CLAIMS`), read
-    as the first two positions, shrinking geometrically after. mtp_bits: "same" (the head at the trunk's width), None
-    (bf16) or a width. overhead: seconds per trunk pass and per head step beyond reading bytes.
+    rates: per-position acceptance; default `reported_rates`. mtp_bits: None (the head in bf16, `HEAD_BITS`),
+    "same" (the head at the trunk's width) or a width. overhead: seconds per trunk pass beyond reading bytes;
+    head_overhead: the same per head step (default: equal to overhead).
     """
-    from ..config import QWEN36_35B_A3B
-
-    config = config or QWEN36_35B_A3B
     n_drafts = list(n_drafts)
-    if rates is None:
-        rates = geometric_rates(CLAIMS["acceptance_n_draft_2"].value, CLAIMS["acceptance_n_draft_3"].value,
-                                max(n_drafts) - 1)
-    rates = list(rates)
-    machine = Machine(bandwidth, overhead, overhead)
     rows = []
     for b in bits:
-        report = sizes(config, b, mtp_bits=b if mtp_bits == "same" else mtp_bits)
+        head = b if mtp_bits == "same" else mtp_bits
         for n in n_drafts:
             for model, dense in (("MoE", False), ("dense, same active size", True)):
-                p = predicted_speedup(config, report, rates, n, machine, context, dense=dense)
+                p = machine_prediction(bandwidth, n, bits=b, context=context, rates=rates, dense=dense,
+                                       overhead=overhead, head_overhead=head_overhead, mtp_bits=head,
+                                       config=config)
                 rows.append({
                     "bits": b, "model": model, "n_draft": n, "tokens_per_pass": p.tokens_per_pass,
                     "trunk_GB": p.trunk_bytes / GB, "head_GB": p.head_bytes / GB,
@@ -409,3 +416,95 @@ def parallel_predictions(config: ModelConfig, report: SizeReport, rates, machine
         rows += [{"ranks": n_ranks, "n_draft": n, "tokens_per_second": s,
                   "speedup_vs_plain": s / plain if plain else None, "best": n == best} for n, s in speeds.items()]
     return rows
+
+
+# ---- 6. one prediction for a machine, the same on every page --------------------------------------------------
+def reported_rates(positions: int) -> list[float]:
+    """Per-position acceptance rates a_1, a_2, ... from the two reported overall rates (`CLAIMS`).
+
+    An engine's "acceptance" is drafts accepted over drafts proposed; with every step proposing n_draft - 1
+    drafts, tokens per pass are 1 + (n_draft - 1) * acceptance. So 0.78 at n_draft=2 is a_1, and 0.59 at
+    n_draft=3 is (a_1 + a_1 a_2) / 2, which gives a_2; later positions shrink by the same ratio a_2 / a_1."""
+    overall_2 = CLAIMS["acceptance_n_draft_2"].value
+    overall_3 = CLAIMS["acceptance_n_draft_3"].value
+    second = 2 * overall_3 / overall_2 - 1
+    return geometric_rates(overall_2, second, positions)
+
+
+def constant_rate(tokens_per_pass: float, drafts: int) -> float:
+    """The one per-position rate a with 1 + a + a^2 + ... + a^drafts = tokens_per_pass (bisection)."""
+    target = tokens_per_pass - 1.0
+    if drafts == 0 or target <= 0:
+        return 0.0
+    if target >= drafts:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, drafts + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def rates_for(n_draft: int, acceptance: float | None = None) -> list[float]:
+    """The per-position rates a prediction at `n_draft` assumes: where an engine's measured acceptance (drafts
+    accepted over proposed) is known, the one rate for every position that gives its tokens per pass,
+    1 + (n_draft - 1) * acceptance; where none is, `reported_rates`."""
+    drafts = n_draft - 1
+    if acceptance is None:
+        return reported_rates(drafts)
+    return [constant_rate(1.0 + drafts * acceptance, drafts)] * drafts
+
+
+ACCEPTANCE_RULE = (
+    "acceptance as the engines count it, drafts accepted over drafts proposed: a run's own where its source "
+    "gives one (one rate for every draft position, giving the same tokens per pass), and otherwise {reported}")
+REPORTED_ACCEPTANCE = (
+    "the reported overall acceptance, {a2:.2f} at n_draft=2 and {a3:.2f} at n_draft=3, read as per-position "
+    "rates of {r1:.2f} and {r2:.2f} that shrink by the same ratio at later positions")
+
+
+def reported_acceptance() -> str:
+    """`REPORTED_ACCEPTANCE` with its numbers: the acceptance a prediction assumes where none is given."""
+    r1, r2 = reported_rates(2)
+    return REPORTED_ACCEPTANCE.format(a2=CLAIMS["acceptance_n_draft_2"].value,
+                                      a3=CLAIMS["acceptance_n_draft_3"].value, r1=r1, r2=r2)
+
+
+def acceptance_rule() -> str:
+    """`ACCEPTANCE_RULE` with its numbers: the sentence every page that predicts a speedup shows."""
+    return ACCEPTANCE_RULE.format(reported=reported_acceptance())
+
+
+def machine_prediction(bandwidth: float, n_draft: int, bits: int = 4, context: int = DEFAULT_CONTEXT,
+                       acceptance: float | None = None, rates=None, dense: bool = False,
+                       overhead: float = 0.0, head_overhead: float | None = None, mtp_bits=HEAD_BITS,
+                       config: ModelConfig | None = None) -> Prediction:
+    """MTP at `n_draft` against plain decoding for the real config on a machine of `bandwidth` bytes/s.
+
+    The one prediction every page uses (module docstring, point 6): trunk at `bits`, head in bf16, memory-bound
+    unless `overhead` (per trunk pass) or `head_overhead` (per head step; default equal to overhead) is given;
+    acceptance from `rates_for(n_draft, acceptance)` unless `rates` gives per-position rates."""
+    from ..config import QWEN36_35B_A3B
+
+    config = config or QWEN36_35B_A3B
+    if rates is None:
+        rates = rates_for(n_draft, acceptance)
+    report = sizes(config, bits, mtp_bits=mtp_bits)
+    machine = Machine(bandwidth, overhead, overhead if head_overhead is None else head_overhead)
+    return predicted_speedup(config, report, list(rates), n_draft, machine, context, dense=dense)
+
+
+def overhead_effect(bandwidth: float, n_draft: int, overhead: float, bits: int = 4,
+                    context: int = DEFAULT_CONTEXT) -> dict[str, float]:
+    """The memory-bound prediction beside the same with a fixed cost per pass, paid once per step (the verify
+    pass alone) or also by every head draft: the direction a fixed cost moves the speedup depends on which."""
+    return {
+        "memory-bound": machine_prediction(bandwidth, n_draft, bits, context).speedup,
+        "once per step": machine_prediction(bandwidth, n_draft, bits, context, overhead=overhead,
+                                            head_overhead=0.0).speedup,
+        "every pass and draft": machine_prediction(bandwidth, n_draft, bits, context, overhead=overhead,
+                                                   head_overhead=overhead).speedup,
+    }

@@ -25,7 +25,9 @@ def steps_html(generation, tokenizer, upto: int) -> str:
             parts.append(_span(tokenizer.decode([rejected]), REJECTED, strike=True))
         if trunk is not None:
             parts.append(_span(tokenizer.decode([trunk]), TRUNK))
-    return '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.8">' + "".join(parts) + "</div>"
+    # overflow-wrap: a token longer than the column (no space to break at) wraps instead of widening the page
+    return ('<div style="font-family:monospace;white-space:pre-wrap;overflow-wrap:anywhere;line-height:1.8">'
+            + "".join(parts) + "</div>")
 
 
 def step_explorer(generation, tokenizer):
@@ -37,11 +39,16 @@ def step_explorer(generation, tokenizer):
     """
     import ipywidgets as w
 
+    def fitting():
+        """A layout never wider than the text column it sits in (ipywidgets' defaults are fixed widths)."""
+        return w.Layout(width="100%", max_width="100%")
+
     n = len(shown_passes(generation))
     legend = w.HTML("what each colour means: " + " ".join([
         _span("draft accepted", ACCEPTED), _span("draft rejected", REJECTED, strike=True),
-        _span("the trunk's own token", TRUNK)]))
-    views = w.Stack([w.HTML(steps_html(generation, tokenizer, k)) for k in range(n + 1)], selected_index=n)
-    slider = w.IntSlider(value=n, min=0, max=n, description="passes")
+        _span("the trunk's own token", TRUNK)]), layout=fitting())
+    views = w.Stack([w.HTML(steps_html(generation, tokenizer, k), layout=fitting()) for k in range(n + 1)],
+                    selected_index=n, layout=fitting())
+    slider = w.IntSlider(value=n, min=0, max=n, description="passes", layout=fitting())
     w.jslink((slider, "value"), (views, "selected_index"))
-    return w.VBox([legend, slider, views])
+    return w.VBox([legend, slider, views], layout=fitting())
