@@ -33,5 +33,5 @@ def test_the_explorer_is_never_wider_than_the_column():
     explorer = widgets.step_explorer(generation(), Letters())
     legend, slider, views = explorer.children
     for widget in (explorer, legend, slider, views, *views.children):
-        assert widget.layout.width == "100%" and widget.layout.max_width == "100%", type(widget).__name__
+        assert widget.layout.width == "auto" and widget.layout.max_width == "100%", type(widget).__name__
     assert slider.max == 1 and views.selected_index == 1

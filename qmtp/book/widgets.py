@@ -40,8 +40,9 @@ def step_explorer(generation, tokenizer):
     import ipywidgets as w
 
     def fitting():
-        """A layout never wider than the text column it sits in (ipywidgets' defaults are fixed widths)."""
-        return w.Layout(width="100%", max_width="100%")
+        """A layout never wider than the text column it sits in: ipywidgets' defaults are fixed widths, and
+        width 100% would add the widget's own margins past the column; "auto" fills what the margins leave."""
+        return w.Layout(width="auto", max_width="100%")
 
     n = len(shown_passes(generation))
     legend = w.HTML("what each colour means: " + " ".join([
