@@ -392,9 +392,10 @@ def save_head(head, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: str = "own") -> None:
+def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: str = "own", chat: bool = False) -> None:
     """The source model with its new head, in the released layout, with the source's tokenizer and loss curve
-    (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons)."""
+    (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons). After
+    a chat fine-tune (`chat`) the first head stage's records pass through and this one's curve is the chat one."""
     import shutil
 
     from ..checkpoint import Checkpoint, write_safetensors
@@ -423,10 +424,11 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
     write_safetensors(tmp, entries, {"format": "pt"})
     os.replace(tmp, dest / "model.safetensors")
     save_head(load_start(source, start).mtp, dest / PREVIOUS_HEAD_FILE)
-    for name in (*TOKENIZER_FILES, "loss_curve.json", "training.json", CHAT_TRAINING_FILE, CHAT_CURVE_FILE):
+    for name in (*TOKENIZER_FILES, "loss_curve.json", "training.json", CHAT_CURVE_FILE,
+                 *(FIRST_HEAD_RECORDS if chat else ())):
         if (source / name).exists():
             shutil.copy2(source / name, dest / name)
-    shutil.copy2(out / "head_loss_curve.json", dest / "head_loss_curve.json")
+    shutil.copy2(out / "head_loss_curve.json", dest / (CHAT_HEAD_CURVE_FILE if chat else "head_loss_curve.json"))
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -588,6 +590,8 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
 # ---- the chat fine-tune: the trained model taught its family's chat format -------------------------------
 CHAT_TRAINING_FILE = "chat_training.json"  # the record `qmtp.tiny.card` renders, written beside the model
 CHAT_CURVE_FILE = "chat_loss_curve.json"
+CHAT_HEAD_CURVE_FILE = "chat_head_loss_curve.json"  # the head-only stage after the chat fine-tune
+FIRST_HEAD_RECORDS = ("head_training.json", "head_loss_curve.json")  # the first head-only stage's, kept through
 
 
 def chat_probes(model: Model, tokenizer, seed: int, length: int) -> dict[str, mx.array]:
@@ -667,8 +671,9 @@ def export_chat_stage(model: Model, source: Path, dest: Path, out: Path) -> None
     from .export import export_released
 
     export_released(model, dest, training_dir=out)
-    for name in ("loss_curve.json", "training.json"):
-        shutil.copy2(source / name, dest / name)
+    for name in ("loss_curve.json", "training.json", *FIRST_HEAD_RECORDS):
+        if (source / name).exists():
+            shutil.copy2(source / name, dest / name)
     shutil.copy2(out / CHAT_CURVE_FILE, dest / CHAT_CURVE_FILE)
 
 
@@ -739,7 +744,7 @@ def main_head_only(args) -> int:
     if not finished:
         print(f"stopped before step {steps}: run the same command again to resume")
     elif args.export:
-        export_head_stage(model, source, args.export, args.out, args.start_head)
+        export_head_stage(model, source, args.export, args.out, args.start_head, chat=args.chat)
         print(f"exported to {args.export}")
     return 0
 
