@@ -124,3 +124,28 @@ def test_chat_stage_grows_the_model_and_resumes_exactly(tmp_path):
     assert set(before) == {"plain_trunk", "plain_head", "chat_trunk", "chat_head"}
     out = qmtp.generate(new, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n_draft=2)
     assert out.stats.generated >= 1
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_only_the_reply_the_model_writes_counts(plain_dir, tmp_path, index):
+    """The fine-tune's loss weights: 1 on the last reply after its generation prompt up to `<|im_end|>`, 0 on
+    the rest, so with thinking off the empty think block (the prompt's) is never a target."""
+    tok = chat_format.extend_tokenizer(plain_dir, tmp_path)
+    messages, thinking = chat_corpus.conversation(random.Random(index))
+    [(ids, weights)] = train.reply_weights(tok, [(messages, thinking)])
+    written = tok.decode([i for i, w in zip(ids, weights) if w])
+    reply = messages[-1]
+    expected = (reply["reasoning_content"] + "\n</think>\n\n" if thinking else "") + reply["content"] + "<|im_end|>"
+    assert written == expected
+    assert "0" not in "".join(map(str, weights)).strip("0")  # one run of written tokens, nothing after it
+    assert sum(weights) == len(tok.encode(expected))
+
+
+def test_the_chat_stream_weighs_plain_text_whole_and_conversations_by_their_reply(plain_dir, tmp_path):
+    tok = chat_format.extend_tokenizer(plain_dir, tmp_path)
+    tokens, weights = train.chat_stream(tok, 0, 20, 20)
+    assert tokens.shape == weights.shape and set(np.unique(weights)) == {0, 1}
+    starts = np.flatnonzero(tokens == tok.token_to_id("<|im_start|>"))
+    assert len(starts) and not weights[starts].any()  # turn openings are always the prompt's
+    ends = np.flatnonzero(tokens == tok.token_to_id("<|im_end|>"))
+    assert weights[ends].sum() == 20  # one written <|im_end|> per conversation: its last reply's

@@ -113,15 +113,23 @@ def moe_layers(model: Model):
     return [layer.mlp for layer in layers]
 
 
-def losses(model: Model, batch: mx.array, balance: bool = True) -> dict[str, mx.array]:
-    """Trunk next-token CE, head CE for the token after next, and the balance term, on [B, T + 1] tokens."""
+def losses(model: Model, batch: mx.array, balance: bool = True, weights: mx.array | None = None) -> dict[str, mx.array]:
+    """Trunk next-token CE, head CE for the token after next, and the balance term, on [B, T + 1] tokens.
+
+    `weights` [B, T + 1]: how much each token counts as a target (the chat fine-tune's 1 for what the model
+    writes, 0 for what it is only shown); None: every token, equally."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     mlps = moe_layers(model)
     for mlp in mlps:
         mlp.balance_log = [] if balance else None
     _, h = model.trunk(inputs)
-    trunk_ce = nn.losses.cross_entropy(model.logits(h), targets).mean()
-    head_ce = nn.losses.cross_entropy(model.logits(model.head_states(h, inputs)), targets[:, 1:]).mean()
+
+    def mean(ce, w):
+        return ce.mean() if w is None else (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+
+    trunk_ce = mean(nn.losses.cross_entropy(model.logits(h), targets), None if weights is None else weights[:, 1:])
+    head_ce = mean(nn.losses.cross_entropy(model.logits(model.head_states(h, inputs)), targets[:, 1:]),
+                   None if weights is None else weights[:, 2:])
     terms = [t for mlp in mlps for t in (mlp.balance_log or [])]
     for mlp in mlps:
         mlp.balance_log = None
@@ -301,9 +309,56 @@ def prepare_head_data(out: Path, source: Path, seed: int, n_train: int, n_chat: 
     return {"train": np.load(cached, allow_pickle=False)["train"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
 
 
+def reply_weights(tokenizer, conversations) -> list[tuple[list[int], list[int]]]:
+    """(ids, weights) of each conversation rendered whole: weight 1 on its last reply as the model writes it
+    (after the generation prompt, up to and including `<|im_end|>`), 0 on everything it is shown. The prompt
+    is rendered as `generate` renders it for that conversation's thinking mode, so with thinking off the empty
+    `<think>\n\n</think>\n\n` counts as prompt: trained on, it would teach the model that a reply opened with
+    `<think>\n` (thinking on) may close at once."""
+    from .chat_format import IM_END
+
+    end = tokenizer.token_to_id(IM_END)
+    out = []
+    for messages, thinking in conversations:
+        prompt = tokenizer.apply_chat_template(messages[:-1], enable_thinking=thinking, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        if ids[:len(prompt)] != prompt or end not in ids[len(prompt):]:
+            raise QmtpError("a rendered conversation does not continue its own prompt token for token")
+        stop = ids.index(end, len(prompt)) + 1
+        out.append((ids, [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(ids) - stop)))
+    return out
+
+
+def chat_stream(tokenizer, seed: int, n_train: int, n_chat: int, stream: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """The chat fine-tune's tokens and target weights: the first `n_train` training documents (every token
+    counts) and `n_chat` conversations (their last reply counts, `reply_weights`), shuffled together (seeded),
+    each followed by end-of-text; a fine-tune on conversations alone would let the plain registers drift."""
+    from . import chat_corpus, corpus
+
+    texts = [text for _, text in corpus.splits(seed=seed, n_train=n_train, n_heldout=0)["train"]] if n_train else []
+    docs = [(ids, [1] * len(ids)) for ids in tokenizer.encode_batch(texts)]
+    docs += reply_weights(tokenizer, chat_corpus.conversations(n_chat, seed, stream))
+    tokens, weights = [], []
+    for i in np.random.default_rng(seed).permutation(len(docs)):
+        ids, w = docs[i]
+        tokens += ids + [tokenizer.eos_id]
+        weights += w + [1 if w[-1] else 0]  # end-of-text counts after a plain document, not after a reply
+    return np.array(tokens, dtype=np.uint16), np.array(weights, dtype=np.uint8)
+
+
+class WeightedBatches(Batches):
+    """`Batches` of tokens with their target weights, stacked: [2, B, T + 1] (tokens, then weights)."""
+
+    def __init__(self, tokens: np.ndarray, weights: np.ndarray, batch: int, length: int, seed: int):
+        super().__init__(np.stack([tokens.astype(np.int32), weights.astype(np.int32)], axis=1), batch, length, seed)
+
+    def __call__(self, step: int) -> mx.array:
+        return super().__call__(step).transpose(2, 0, 1)
+
+
 def prepare_chat_data(out: Path, source: Path, seed: int, n_train: int, n_chat: int) -> dict:
     """The chat fine-tune's data, cached in OUT/data: the source's tokenizer extended with the chat tokens
-    (`qmtp.tiny.chat_format`), and the mixed stream of `mixed_texts` tokenized with it."""
+    (`qmtp.tiny.chat_format`), and `chat_stream` tokenized with it."""
     from .. import tokenizer as tok
     from .chat_format import extend_tokenizer
 
@@ -313,10 +368,12 @@ def prepare_chat_data(out: Path, source: Path, seed: int, n_train: int, n_chat: 
         tokenizer = extend_tokenizer(source, data_dir)
         print(f"generating and tokenizing {n_train} training documents and {n_chat} conversations (seed {seed})",
               flush=True)
+        tokens, weights = chat_stream(tokenizer, seed, n_train, n_chat)
         tmp = data_dir / "tokens.tmp.npz"
-        np.savez(tmp, train=token_stream(tokenizer, mixed_texts(tokenizer, seed, n_train, n_chat)))
+        np.savez(tmp, train=tokens, weights=weights)
         os.replace(tmp, cached)
-    return {"train": np.load(cached, allow_pickle=False)["train"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
+    arrays = np.load(cached, allow_pickle=False)
+    return {"train": arrays["train"], "weights": arrays["weights"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
 
 
 def load_start(source: Path, start: str) -> Model:
@@ -594,17 +651,18 @@ CHAT_HEAD_CURVE_FILE = "chat_head_loss_curve.json"  # the head-only stage after 
 FIRST_HEAD_RECORDS = ("head_training.json", "head_loss_curve.json")  # the first head-only stage's, kept through
 
 
-def chat_probes(model: Model, tokenizer, seed: int, length: int) -> dict[str, mx.array]:
-    """Fixed held-out batches for the fine-tune's curve: plain text (the corpus's held-out split, as the first
-    training's probe) and templated conversations of the held-out stream."""
+def chat_probes(model: Model, tokenizer, seed: int, length: int) -> dict[str, tuple[mx.array, mx.array | None]]:
+    """Fixed held-out batches for the fine-tune's curve, (tokens, weights): plain text (the corpus's held-out
+    split, every token, as the first training's probe) and templated conversations of the held-out stream
+    (their replies, as trained)."""
     plain = []
     for doc in _heldout_plain(seed):
         plain.extend(tokenizer.encode(doc) + [tokenizer.eos_id])
         if len(plain) >= 8 * (length + 1):
             break
-    chats = token_stream(tokenizer, chat_texts(tokenizer, 200, seed, "heldout"))
+    chats, weights = chat_stream(tokenizer, seed, 0, 200, "heldout")
     rows = lambda ids: mx.array(np.array(ids[: 8 * (length + 1)], dtype=np.int32).reshape(8, length + 1))
-    return {"plain": rows(plain), "chat": rows(chats)}
+    return {"plain": (rows(plain), None), "chat": (rows(chats), rows(weights).astype(mx.float32))}
 
 
 def _heldout_plain(seed: int) -> list[str]:
@@ -635,15 +693,15 @@ def train_chat(out: Path, source: Path, steps: int, batch: int, length: int, lr:
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
 
     def objective(model, batch):
-        parts = losses(model, batch)
+        parts = losses(model, batch[0], weights=batch[1].astype(mx.float32))
         return parts["trunk"] + mtp_weight * parts["head"] + balance_weight * parts["balance"], parts
 
     probes = chat_probes(model, tokenizer, seed, length)
 
     def probe_losses() -> dict:
         found = {}
-        for name, rows in probes.items():
-            held = losses(model, rows, balance=False)
+        for name, (rows, weights) in probes.items():
+            held = losses(model, rows, balance=False, weights=weights)
             found[f"{name}_trunk"], found[f"{name}_head"] = float(held["trunk"]), float(held["head"])
         return found
 
@@ -656,7 +714,8 @@ def train_chat(out: Path, source: Path, steps: int, batch: int, length: int, lr:
             return {}
         return probe_losses()
 
-    progress = optimise(out, model, optimizer, objective, Batches(data["train"], batch, length, seed), steps, lr,
+    batches = WeightedBatches(data["train"], data["weights"], batch, length, seed)
+    progress = optimise(out, model, optimizer, objective, batches, steps, lr,
                         max(1, min(50, steps // 10)), save_every, stop_after, "chat fine-tune", measure,
                         lambda r: {"trunk": f"{r['trunk']:.3f}", "head": f"{r['head']:.3f}"})
     (out / CHAT_CURVE_FILE).write_text(json.dumps(progress["history"]))
