@@ -38,7 +38,8 @@ HEAD_TRAINING_COMMAND = ("python -m qmtp.tiny.train runs/tiny-head --head-only -
                          "--chain-decay {chain_decay} --targets {targets} --steps {steps} --batch {batch} --length {length} "
                          "--lr {lr} --export runs/tiny-head/export")
 HEAD_TRAINING_FILE = "head_training.json"
-CHAT_COMMAND = ("python -m qmtp.tiny.train runs/tiny-chat --chat --from {source} --steps {steps} --documents {n_train} "
+CHAT_COMMAND = ("python -m qmtp.tiny.train runs/tiny-chat --chat --from {source} --start-head {start_head} "
+                "--steps {steps} --documents {n_train} "
                 "--batch {batch} --length {length} --lr {lr} --export runs/tiny-chat/export")
 CHAT_HEAD_COMMAND = ("python -m qmtp.tiny.train runs/tiny-chat-head --head-only --chat --from runs/tiny-chat/export "
                      "--chained {chained} --steps {steps} --documents {n_train} --batch {batch} --length {length} "
@@ -183,15 +184,18 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
             f"{chat['vocab_before']} to {config.vocab_size - 1}; the embedding and lm_head grown by one row each (the "
             "mean row plus noise), which the head shares; `chat_template.jinja` in the format of Qwen3.5/3.6; "
             "`generation_config.json` ending at `<|im_end|>` or `<|endoftext|>` with the card's thinking-mode sampler.",
-            f"Fine-tune, trunk and head, from the bundled model as committed in {chat['source_commit']}: "
+            f"Fine-tune, trunk and head, from the bundled model as committed in {chat['source_commit']}, its head "
+            "the one it had before its chained training (so that the head-only stage after this one measures "
+            "again what chaining adds): "
             f"`{CHAT_COMMAND.format(**chat)}` ({chat['n_chat']:,} conversations of "
             f"`qmtp.tiny.chat_corpus`, rendered by the template, half with thinking, shuffled with the first "
             f"{chat['n_train']:,} training documents; {chat['tokens']:,} tokens, {chat['elapsed'] / 60:.0f} minutes on "
-            f"{chat['cores']} CPU cores; the first training's loss).",
+            f"{chat['cores']} CPU cores; the first training's loss, on every token of a document and on the last "
+            "reply of a conversation as the model writes it, `<|im_end|>` included: `qmtp.tiny.train.reply_weights`).",
             "Held-out probe (trunk / head cross-entropy), before the fine-tune (new rows untrained) and after: plain "
             f"text {before['plain_trunk']:.3f} / {before['plain_head']:.3f} -> {after['plain_trunk']:.3f} / "
-            f"{after['plain_head']:.3f}; templated conversations {before['chat_trunk']:.3f} / {before['chat_head']:.3f}"
-            f" -> {after['chat_trunk']:.3f} / {after['chat_head']:.3f}.",
+            f"{after['plain_head']:.3f}; replies in templated conversations {before['chat_trunk']:.3f} / "
+            f"{before['chat_head']:.3f} -> {after['chat_trunk']:.3f} / {after['chat_head']:.3f}.",
             f"Then the head alone for chained drafting on the same mix: `{CHAT_HEAD_COMMAND.format(**head)}` "
             f"({head['tokens']:,} tokens, {head['elapsed'] / 60:.0f} minutes); held-out probe, head top-1 = trunk top-1 "
             "per unrolled step: before " + ", ".join(_fmt(head["first"][f"heldout_agree_{j}"]) for j in range(1, 5))

@@ -673,21 +673,23 @@ def _heldout_plain(seed: int) -> list[str]:
 
 def train_chat(out: Path, source: Path, steps: int, batch: int, length: int, lr: float, seed: int, mtp_weight: float,
                balance_weight: float, save_every: int, eval_every: int, n_train: int, n_chat: int,
-               stop_after: int | None = None) -> tuple[Model, bool]:
+               stop_after: int | None = None, start: str = "own") -> tuple[Model, bool]:
     """Fine-tune (or resume) the model in `source`, trunk and head, on its corpus mixed with templated
-    conversations, its vocabulary grown by the chat tokens; the objective is the first training's."""
-    from ..loading import load
+    conversations, its vocabulary grown by the chat tokens; the objective is the first training's. `start`
+    "previous" starts the head from the one `source` keeps from before its chained training: then this stage
+    repeats the first training's single-step objective on a head that never learned chaining, and a head-only
+    stage after it measures again what chaining adds (chapter 5)."""
     from .chat_format import grow_vocabulary
 
     out.mkdir(parents=True, exist_ok=True)
-    run = {"stage": "chat", "source": str(source), "steps": steps, "batch": batch, "length": length, "lr": lr,
+    run = {"stage": "chat", "source": str(source), "start_head": start, "steps": steps, "batch": batch, "length": length, "lr": lr,
            "seed": seed, "mtp_weight": mtp_weight, "balance_weight": balance_weight, "n_train": n_train,
            "n_chat": n_chat, "cores": os.cpu_count()}
     (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     data = prepare_chat_data(out, source, seed, n_train, n_chat)
     tokenizer = data["tokenizer"]
     mx.random.seed(seed)
-    model = load(source, dtype=mx.float32)
+    model = load_start(source, start)
     grow_vocabulary(model, tokenizer.vocab_size, seed)
     model.tokenizer = tokenizer
     optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
@@ -762,7 +764,7 @@ def main(argv=None) -> int:
                         "with templated conversations, its tokenizer given the chat tokens; with --head-only: mix the "
                         "conversations into the head's data")
     parser.add_argument("--conversations", type=int, help="--chat: conversations to generate (default: as many as documents)")
-    parser.add_argument("--start-head", default="own", help="--head-only: 'own' (--from's head) or 'previous' (the "
+    parser.add_argument("--start-head", default="own", help="--head-only, --chat: 'own' (--from's head) or 'previous' (the "
                         "head --from keeps from before its last head-only stage: reruns that stage)")
     args = parser.parse_args(argv)
     if args.head_only:
@@ -823,9 +825,14 @@ def main_chat(args) -> int:
     source = resolve_path(args.source or BUNDLED_MODEL)
     steps = args.steps or 200
     lr = args.lr or 1e-3  # a fine-tune: a third of the first training's peak
-    model, finished = train_chat(args.out, source, steps, args.batch, args.length, lr, args.seed, args.mtp_weight,
-                                 args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps),
-                                 args.documents or CHAT_DOCUMENTS, chat_count(args), args.stop_after)
+    try:
+        model, finished = train_chat(args.out, source, steps, args.batch, args.length, lr, args.seed, args.mtp_weight,
+                                     args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps),
+                                     args.documents or CHAT_DOCUMENTS, chat_count(args), args.stop_after,
+                                     args.start_head)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not finished:
         print(f"stopped before step {steps}: run the same command again to resume")
     elif args.export:
