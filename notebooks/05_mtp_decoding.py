@@ -600,9 +600,11 @@ else:
 # At n_draft {glue:text}`chat_width`, greedy drafts are kept {glue:text}`chat_greedy_on:.2f` of the time with
 # thinking on and {glue:text}`chat_greedy_off:.2f` with it off; with the card's thinking-mode sampler
 # {glue:text}`chat_thinking_on:.2f` and {glue:text}`chat_thinking_off:.2f`: {glue:text}`chat_verdict` on these
-# conversations. A sampled draft is kept with probability min(1, p/q), so the flatter the trunk's distribution
-# (temperature 1, a presence penalty pushing away from tokens already used) the more drafts that were the trunk's
-# likeliest token are still turned down. The bundled model's card measures the same table on more conversations.
+# conversations. Under sampling a draft is kept with probability min(1, p/q), so the share kept is the overlap of
+# the two processed distributions (the sum over tokens of the smaller of p and q), which is 1 only where both put
+# all their mass on one token; greedy drafting asks only that their top choices agree. A higher temperature spreads
+# both, and the mass they then place differently is drafts turned down. The rows are single runs with one seed per
+# conversation on a few conversations; the bundled model's card measures the same table on more of them.
 #
 # ## Explorer
 #

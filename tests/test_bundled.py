@@ -90,3 +90,43 @@ def test_the_previous_head_drafts_losslessly(model):
     prompt = evaluate.heldout_prompts(model, 1)[0]
     plain = qmtp.generate(model, prompt, max_tokens=30).tokens
     assert qmtp.generate(model, prompt, max_tokens=30, n_draft=4, head=evaluate.previous_head(model)).tokens == plain
+
+
+# ---- its chat format (issue 26 item 6) ----------------------------------------------------------------------
+def test_it_ships_its_familys_chat_format(model):
+    from pathlib import Path
+
+    from qmtp import chat
+
+    template = (Path(__file__).parent / "templates" / "qwen_family.jinja").read_text()
+    assert model.tokenizer.chat_template == template  # the template tests/test_chat.py checks against transformers
+    tok = model.tokenizer
+    ids = {text: tok.encode(text) for text in ("<|im_start|>", "<|im_end|>", "<think>", "</think>")}
+    assert all(len(i) == 1 and i[0] < model.config.vocab_size for i in ids.values()), ids
+    assert chat.end_ids(model) == {ids["<|im_end|>"][0], tok.eos_id}
+    assert qmtp.Sampling.of_model(model) == qmtp.Sampling(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)
+
+
+def test_it_answers_in_turn_and_ends_its_turn(model):
+    from qmtp import chat
+
+    for messages in evaluate.chat_prompts(4):
+        off = qmtp.generate(model, messages=messages, enable_thinking=False, max_tokens=200)
+        assert off.finish_reason == "end" and off.text.strip() and "<think>" not in off.text, off.text
+        on = qmtp.generate(model, messages=messages, max_tokens=200)
+        thinking, answer = chat.split_thinking(on.text, opened=True)
+        assert on.finish_reason == "end" and thinking and answer.strip(), on.text
+
+
+def test_chat_acceptance_at_one_draft_is_at_least_0_6(model):
+    rows = evaluate.chat_acceptance(model, evaluate.chat_prompts(2), n_draft=2, max_tokens=40,
+                                    samplers={"greedy": {}})
+    assert all(r["rate"] >= 0.6 for r in rows), rows
+
+
+def test_chat_uses_the_template_without_raw():
+    prompt = "Where is the red ball?"
+    result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--prompt", prompt, "--thinking=false",
+                             "--max-tokens", "60", "--use-mtp", "--n-draft", "3"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "<|im_" not in result.stdout, result.stdout

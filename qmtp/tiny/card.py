@@ -203,6 +203,24 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
             f"started from (the fine-tune's) is the one kept in `{evaluate.PREVIOUS_HEAD_FILE}`.",
             "",
         ]
+        was = chat.get("before_card", {})
+        if was.get("acceptance"):
+            now = {n: a["rate"] for n, a in measurements["acceptance"].items()}
+            changes = [now[n] - was["acceptance"][n] for n in now if n in was["acceptance"]]
+            verdict = ("lower at every n_draft" if max(changes) < 0 else "higher at every n_draft" if min(changes) > 0
+                       else "lower at some n_draft, not at others")
+            lines += [
+                "What the chat format cost on plain text, the measurements below against the same measurements of the "
+                f"model before it (its card as committed in {chat['source_commit']}): next-token accuracy (both fixes) "
+                f"{_fmt(was['accuracy'])} -> {_fmt(measurements['fixes']['both fixes']['accuracy'])}; greedy "
+                "acceptance over all registers, n_draft 2 to 5: "
+                + ", ".join(f"{_fmt(was['acceptance'][n])} -> {_fmt(now[n])}" for n in now if n in was["acceptance"])
+                + f" ({verdict}); at n_draft 2 per register: "
+                + ", ".join(f"{r} {_fmt(was['acceptance_n_draft_2'][r])} -> "
+                            f"{_fmt(measurements['registers'][r]['acceptance_n_draft_2']['rate'])}"
+                            for r in measurements["registers"] if r in was["acceptance_n_draft_2"]) + ".",
+                "",
+            ]
     lines += [
         "## Held-out text, with and without the fixes",
         "",
@@ -308,7 +326,17 @@ def chat_training_record(train_dir: Path) -> dict:
 
     commit = subprocess.run(["git", "-C", run["source"], "log", "-1", "--format=%h", "--", "model.safetensors"],
                             capture_output=True, text=True).stdout.strip() or "unknown"
+    # What the source's own card measured (the same `measure`, on the model before the fine-tune), for the
+    # before/after comparison the card states
+    card = Path(run["source"]) / "measurements.json"
+    measured = json.loads(card.read_text()) if card.exists() else {}
+    before_card = {
+        "accuracy": measured.get("fixes", {}).get("both fixes", {}).get("accuracy"),
+        "acceptance": {n: a["rate"] for n, a in measured.get("acceptance", {}).items()},
+        "acceptance_n_draft_2": {r: m["acceptance_n_draft_2"]["rate"] for r, m in measured.get("registers", {}).items()},
+    }
     return {**run, "source": "qmtp/assets/tiny", "source_commit": commit, "vocab_before": source.vocab_size,
+            "before_card": before_card,
             "steps": progress["step"],
             "tokens": history[-1]["tokens"], "elapsed": progress["elapsed"],
             "before": json.loads((train_dir / "before.json").read_text()), "final": probes[-1]}
