@@ -47,6 +47,7 @@ CHAT_HEAD_COMMAND = ("python -m qmtp.tiny.train runs/tiny-chat-head --head-only 
 CHAT_TRAINING_FILE = "chat_training.json"  # = qmtp.tiny.train.CHAT_TRAINING_FILE
 CHAT_HEAD_TRAINING_FILE = "chat_head_training.json"
 CHAT_CONVERSATIONS = 12  # held-out conversations the card's chat acceptance is measured on
+CHAT_REPLY_LIMIT = 300  # tokens: a story reply is up to about 200
 CHAT_REPLIES = (  # (system, user) of the replies the card shows, greedy, thinking on and off
     (None, "Where is the red ball?"),
     ("Be brief.", "What is 7 + 5?"),
@@ -90,13 +91,25 @@ def measure(model_dir: Path, per_register: int = 40, prompts_per_register: int =
     if model.tokenizer.chat_template is not None:
         conversations = evaluate.chat_prompts(CHAT_CONVERSATIONS)
         out["chat_acceptance"] = evaluate.chat_acceptance(model, conversations, n_draft=4, max_tokens=max_tokens)
+        # How greedy replies end: at `<|im_end|>` (the turn's end, as trained), at `<|endoftext|>` (a document's end,
+        # which the replies' text also ends with in the corpus; both are end ids in generation_config.json), or cut
+        # at the limit
+        endings = {}
+        for thinking in (True, False):
+            counts = {"<|im_end|>": 0, "<|endoftext|>": 0, "length": 0}
+            for messages in conversations:
+                reply = generate(model, messages=messages, enable_thinking=thinking, max_tokens=CHAT_REPLY_LIMIT)
+                counts[model.tokenizer.decode(reply.tokens[-1:]) if reply.finish_reason == "end" else "length"] += 1
+            endings["on" if thinking else "off"] = counts
+        out["chat_endings"] = endings
         out["chat_replies"] = []
         for system, user in CHAT_REPLIES:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
             for thinking in (True, False):
                 reply = generate(model, messages=messages, enable_thinking=thinking, max_tokens=80)
+                ended = model.tokenizer.decode(reply.tokens[-1:]) if reply.finish_reason == "end" else "the limit"
                 out["chat_replies"].append({"messages": messages, "thinking": thinking, "text": reply.text,
-                                            "finish_reason": reply.finish_reason})
+                                            "finish_reason": reply.finish_reason, "ended_by": ended})
     out["seconds"] = round(time.time() - started, 1)
     out["measured_with"] = {"python": platform.python_version(), "machine": platform.machine()}
     return out
@@ -270,6 +283,12 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
             per = ", ".join(_fmt(x, 2) for x in r["per_position"])
             lines.append(f"| {r['sampler']} | {settings} | {'on' if r['thinking'] else 'off'} | {per} | "
                          f"{_fmt(r['rate'])} | {_fmt(r['tokens_per_trunk_pass'], 2)} |")
+    if "chat_endings" in measurements:
+        lines += ["", f"How the greedy replies to the same conversations end (up to {CHAT_REPLY_LIMIT} tokens): "
+                  + "; ".join(f"thinking {mode}: " + ", ".join(f"`{k}` {v}" for k, v in counts.items())
+                              for mode, counts in measurements["chat_endings"].items())
+                  + ". Both end ids stop a reply (generation_config.json lists both, as the release's does); "
+                  "`<|endoftext|>` is where the corpus's documents, and so the replies' text, end."]
     lines += ["", "## Greedy continuations", ""]
     for c in measurements["continuations"]:
         lines += ["```text", c["prompt"] + c["text"], "```", ""]
@@ -277,7 +296,7 @@ def render(model_dir: Path, measurements: dict, training: dict) -> str:
         lines += ["## Greedy replies under the chat template", ""]
         for r in measurements["chat_replies"]:
             asked = " / ".join(f"{m['role']}: {m['content']}" for m in r["messages"])
-            lines += [f"{asked} (thinking {'on' if r['thinking'] else 'off'}, ended by {r['finish_reason']}):", "",
+            lines += [f"{asked} (thinking {'on' if r['thinking'] else 'off'}, ended by `{r['ended_by']}`):", "",
                       "```text", r["text"], "```", ""]
     return "\n".join(lines).rstrip() + "\n"
 
