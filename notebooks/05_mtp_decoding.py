@@ -603,8 +603,11 @@ else:
 # conversations. Under sampling a draft is kept with probability min(1, p/q), so the share kept is the overlap of
 # the two processed distributions (the sum over tokens of the smaller of p and q), which is 1 only where both put
 # all their mass on one token; greedy drafting asks only that their top choices agree. A higher temperature spreads
-# both, and the mass they then place differently is drafts turned down. The rows are single runs with one seed per
-# conversation on a few conversations; the bundled model's card measures the same table on more of them.
+# both, and the mass they then place differently is drafts turned down. On the bundled model, replies with thinking
+# on start with a thought that is one of a few fixed sentences (one per kind of request in the conversations it was
+# fine-tuned on, `qmtp.tiny.chat_corpus`), which the head drafts almost without fault: its rows with thinking on
+# say more about that corpus than about thinking. The rows are single runs with one seed per conversation on a few
+# conversations; the bundled model's card measures the same table on more of them and longer replies.
 #
 # ## Explorer
 #
