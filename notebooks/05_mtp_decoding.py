@@ -38,7 +38,9 @@
 # - how acceptance falls with each further draft position, by register, and without parts of the head;
 # - what other engines' choices cost in acceptance (the head's cache reset every step, its input before the
 #   trunk's final norm, chained drafts on its pre-norm output), which state the real head expects, and
-#   acceptance under sampling at temperatures 0.6 and 1.0.
+#   acceptance under sampling at temperatures 0.6 and 1.0;
+# - acceptance per draft position under the chat template, as users meet the model, with the model card's
+#   samplers, thinking on and off, beside greedy.
 #
 # **What runs here.** The bundled model decodes held-out prompts plainly and with `n_draft` 2 to 5; every
 # rate is counted in this run. The chapter's run time in this build is in the
@@ -526,6 +528,85 @@ glue(
 # at temperature 0.6 and {glue:text}`sample_1.0_first:.2f` at 1.0: acceptance {glue:text}`sampling_verdict`.
 # Sampled rates depend on the draws: they are single runs with one seed.
 #
+# ## Acceptance under the chat template
+#
+# Users meet the model through its chat template: a system message, `<|im_start|>` turns, and a reply that starts
+# inside `<think>` (thinking on, the default) or after an empty think block (`enable_thinking=False`); and they
+# sample with the settings of the model card {cite:p}`qwen2026qwen36`, not greedily: thinking mode temperature 1.0,
+# top-p 0.95, top-k 20, presence penalty 1.5; its precise-coding variant 0.6, 0.95, 20, no penalty; non-thinking
+# mode 0.7, 0.8, 20, presence 1.5. Every figure published for this family is measured that way. The bundled
+# model speaks the same format (its card says how it learned it); here are replies to held-out conversations
+# (`evaluate.chat_prompts`, requests of the corpus's kinds), drafted at a fixed width, each sampler with
+# thinking on and off (`evaluate.chat_acceptance`; sampled rows use one seed per conversation):
+
+# %%
+CHAT_WIDTH = budget.CHAT["n_draft"] if FULL else 4
+CHAT_SAMPLERS = (
+    {k: evaluate.CHAT_SAMPLERS[k] for k in budget.CHAT["samplers"]}
+    if FULL
+    else evaluate.CHAT_SAMPLERS
+)
+if model.tokenizer.chat_template is None:
+    chat_rows = None
+    print(f"{path}: no chat template, so no chat to measure (see the bundled model)")
+else:
+    chat_rows = evaluate.chat_acceptance(
+        model,
+        evaluate.chat_prompts(budget.CHAT["conversations"] if FULL else 4),
+        n_draft=CHAT_WIDTH,
+        max_tokens=MAX_TOKENS if FULL else 32,
+        samplers=CHAT_SAMPLERS,
+    )
+    display(
+        Markdown(
+            inventory.markdown_table(
+                [
+                    {
+                        "sampler": r["sampler"],
+                        "thinking": "on" if r["thinking"] else "off",
+                        "per draft position": ", ".join(
+                            f"{a:.2f}" for a in r["per_position"]
+                        ),
+                        "overall": r["rate"],
+                        "tokens/pass": r["tokens_per_trunk_pass"],
+                    }
+                    for r in chat_rows
+                ],
+                ["sampler", "thinking", "per draft position", "overall", "tokens/pass"],
+                {"overall": "{:.2f}", "tokens/pass": "{:.2f}"},
+            )
+        )
+    )
+    chat_rate = {(r["sampler"], r["thinking"]): r["rate"] for r in chat_rows}
+    glue("chat_width", CHAT_WIDTH, display=False)
+    for (label, thinking), rate in chat_rate.items():
+        key = label.replace(" ", "_").replace("-", "_")
+        glue(f"chat_{key}_{'on' if thinking else 'off'}", rate, display=False)
+    sampled_rates = [r for (label, _), r in chat_rate.items() if label != "greedy"]
+    greedy_rates = [r for (label, _), r in chat_rate.items() if label == "greedy"]
+    glue(
+        "chat_verdict",
+        (
+            "every recommended sampler keeps fewer drafts than greedy decoding"
+            if max(sampled_rates) < min(greedy_rates)
+            else "the recommended samplers do not all keep fewer drafts than greedy decoding"
+        ),
+        display=False,
+    )
+
+# %% [markdown]
+# At n_draft {glue:text}`chat_width`, greedy drafts are kept {glue:text}`chat_greedy_on:.2f` of the time with
+# thinking on and {glue:text}`chat_greedy_off:.2f` with it off; with the card's thinking-mode sampler
+# {glue:text}`chat_thinking_on:.2f` and {glue:text}`chat_thinking_off:.2f`: {glue:text}`chat_verdict` on these
+# conversations. Under sampling a draft is kept with probability min(1, p/q), so the share kept is the overlap of
+# the two processed distributions (the sum over tokens of the smaller of p and q), which is 1 only where both put
+# all their mass on one token; greedy drafting asks only that their top choices agree. A higher temperature spreads
+# both, and the mass they then place differently is drafts turned down. On the bundled model, replies with thinking
+# on start with a thought that is one of a few fixed sentences (one per kind of request in the conversations it was
+# fine-tuned on, `qmtp.tiny.chat_corpus`), which the head drafts almost without fault: its rows with thinking on
+# say more about that corpus than about thinking. The rows are single runs with one seed per conversation on a few
+# conversations; the bundled model's card measures the same table on more of them and longer replies.
+#
 # ## Explorer
 #
 # Move the slider to replay the worked example pass by pass: every pass's text is saved in the page, so
@@ -557,6 +638,7 @@ saved = results.save(
             str(T): {"first": r[2]["rate"], "second": r[3]["per_position"][1]}
             for T, r in sampled.items()
         },
+        "chat_acceptance": chat_rows,
         "previous_head": (
             None
             if compared is None

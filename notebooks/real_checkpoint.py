@@ -173,12 +173,13 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # ```
 #
 # The real model is a chat model: `messages=` renders its chat template (as transformers does), and the
-# generation stops at any of its end-of-turn tokens. The bundled tiny model has no chat template, so the
-# same lines on the model of this build give it plain text:
+# generation stops at any of its end-of-turn tokens. The bundled tiny model speaks the same format, so the
+# same lines run on the model of this build (a request of its corpus's kind in place of the haiku):
 
 # %%
 model = qmtp.load(budget.decoding_model(path))
-out = qmtp.generate(model, "Once upon a time", max_tokens=64, n_draft=2)
+chat = [{"role": "user", "content": "Tell me a story."}]
+out = qmtp.generate(model, messages=chat, enable_thinking=False, max_tokens=64, n_draft=2)
 print(textwrap.fill(out.text, 72))
 print(f"acceptance {out.stats.acceptance_rate:.2f}, "
       f"{out.stats.tokens_per_second:.1f} tokens/s")

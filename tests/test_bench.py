@@ -9,7 +9,9 @@ import pytest
 import qmtp
 
 from qmtp.book import bench
+from qmtp.loading import BUNDLED_MODEL
 from qmtp.tiny import synthetic
+from qmtp.tokenizer import Tokenizer
 from qmtp.cli import main
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import sizes
@@ -88,7 +90,9 @@ def test_bench_convert_times_three_tools_on_the_same_source(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
     from qmtp.book import bench_convert
 
-    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64, vocab_size=1024)
+    # the source carries the bundled tokenizer: the vocabulary holds its ids, chat tokens included
+    vocab = Tokenizer.from_dir(BUNDLED_MODEL).vocab_size
+    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4, hidden_size=64, vocab_size=vocab)
     report = bench_convert.run(tmp_path / "work", bits=4, rounds=1, config=config, progress=lambda line: None)
     assert set(report["tools"]) == {"cp", "qmtp", "mlx-lm"}
     source = report["source_bytes"]

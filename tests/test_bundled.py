@@ -65,8 +65,9 @@ def test_text_needs_the_norm_fix(model):
 
 def test_chat_reports_the_acceptance_teacher_forcing_predicts(model):
     prompt = "Once upon a time, a little fox named"
+    # --temperature 0: chat samples as the model's generation_config.json says; the walk below is greedy
     result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--raw", "--use-mtp", "--n-draft", "2", "--prompt", prompt,
-                             "--max-tokens", "40"], capture_output=True, text=True)
+                             "--max-tokens", "40", "--temperature", "0"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     reported = float(result.stderr.split("acceptance ")[1].split(" ")[0])
     plain = qmtp.generate(model, prompt, max_tokens=40)
@@ -90,3 +91,48 @@ def test_the_previous_head_drafts_losslessly(model):
     prompt = evaluate.heldout_prompts(model, 1)[0]
     plain = qmtp.generate(model, prompt, max_tokens=30).tokens
     assert qmtp.generate(model, prompt, max_tokens=30, n_draft=4, head=evaluate.previous_head(model)).tokens == plain
+
+
+# ---- its chat format (issue 26 item 6) ----------------------------------------------------------------------
+def test_it_ships_its_familys_chat_format(model):
+    from pathlib import Path
+
+    from qmtp import chat
+
+    template = (Path(__file__).parent / "templates" / "qwen_family.jinja").read_text()
+    assert model.tokenizer.chat_template == template  # the template tests/test_chat.py checks against transformers
+    tok = model.tokenizer
+    ids = {text: tok.encode(text) for text in ("<|im_start|>", "<|im_end|>", "<think>", "</think>")}
+    assert all(len(i) == 1 and i[0] < model.config.vocab_size for i in ids.values()), ids
+    assert chat.end_ids(model) == {ids["<|im_end|>"][0], tok.eos_id}
+    assert qmtp.Sampling.of_model(model) == qmtp.Sampling(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)
+
+
+def test_it_answers_in_turn_and_ends_its_turn(model):
+    """Greedy replies to held-out requests: with thinking on each thinks, closes its think block and answers; in
+    both modes most end at an end id (`<|im_end|>` or `<|endoftext|>`: the card counts which) before 300 tokens
+    (a 14M-parameter model can fall into a loop of sums, as on plain text, so not every one)."""
+    from qmtp import chat
+
+    for thinking in (True, False):
+        ended = 0
+        for messages in evaluate.chat_prompts(8):
+            out = qmtp.generate(model, messages=messages, enable_thinking=thinking, max_tokens=300)
+            thought, answer = chat.split_thinking(out.text, opened=thinking)
+            assert answer.strip() and bool(thought.strip()) == thinking and "<think>" not in out.text, out.text
+            ended += out.finish_reason == "end"
+        assert ended >= 6, (thinking, ended)
+
+
+def test_chat_acceptance_at_one_draft_is_at_least_0_6(model):
+    rows = evaluate.chat_acceptance(model, evaluate.chat_prompts(2), n_draft=2, max_tokens=40,
+                                    samplers={"greedy": {}})
+    assert all(r["rate"] >= 0.6 for r in rows), rows
+
+
+def test_chat_uses_the_template_without_raw():
+    prompt = "Where is the red ball?"
+    result = subprocess.run([sys.executable, "-m", "qmtp", "chat", "--prompt", prompt, "--thinking=false",
+                             "--max-tokens", "60", "--use-mtp", "--n-draft", "3"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "<|im_" not in result.stdout, result.stdout

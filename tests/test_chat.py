@@ -202,7 +202,7 @@ def test_environment_features_render_as_transformers_renders(tmp_path):
         assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
     assert "hidden" not in expected and "never" not in expected and '"z": "ü"' in expected
     assert expected.startswith("[1 user] a[2 assistant] b")  # a None value is dropped: `data is defined` is false
-    assert expected.endswith("<|endoftext|>")  # the tokenizer's eos_token is a variable
+    assert expected.endswith("<|im_end|>")  # the tokenizer's eos_token (the bundled one's, as Qwen3.6's) is a variable
     # a keyword argument overrides a special token, as in transformers
     assert ours.apply_chat_template(messages, eos_token="END").endswith("END<go>")
     with pytest.raises(UsageError, match="refuses these messages: refused: why"):
@@ -232,11 +232,12 @@ def test_chat_template_jinja_wins_over_the_config(tmp_path):
 
 
 def test_a_model_without_a_template_says_so(tmp_path):
-    tok = Tokenizer.from_dir(TINY)
+    bare = model_dir(tmp_path, template=None)
+    tok = Tokenizer.from_dir(bare)
     assert tok.chat_template is None
     with pytest.raises(UsageError, match="has no chat template") as err:
         tok.apply_chat_template([{"role": "user", "content": "a"}])
-    assert str(TINY) in str(err.value) and "\n" not in str(err.value)
+    assert str(bare) in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("messages, fragment", [
@@ -283,10 +284,11 @@ def test_split_thinking():
 # ---- generate: messages, end ids, stop strings ----------------------------------------------------------------
 def model_dir(tmp_path: Path, template: str | None = QWEN, generation_config: dict | None = None,
               eos_token: str | None = None) -> Path:
-    """The bundled model's files (linked) with a chat template, a generation_config.json, another eos_token."""
+    """The bundled model's files (linked) with a chat template, a generation_config.json, another eos_token: only
+    those given (the bundled model's own template and generation config are left out)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     for f in TINY.iterdir():
-        if f.is_file() and f.name != "tokenizer_config.json":
+        if f.is_file() and f.name not in ("tokenizer_config.json", chat.TEMPLATE_FILE, chat.GENERATION_CONFIG):
             (tmp_path / f.name).symlink_to(f)
     config = json.loads((TINY / "tokenizer_config.json").read_text())
     if template is not None:
@@ -422,13 +424,14 @@ def stats_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("[") and "tok/s" in line]
 
 
-def test_chat_without_a_template_needs_raw():
+def test_chat_without_a_template_needs_raw(tmp_path):
     from helpers import one_line_error
 
-    result = run_chat("--prompt", "Once upon a time", "--max-tokens", "3")
+    bare = model_dir(tmp_path, template=None)
+    result = run_chat(bare, "--prompt", "Once upon a time", "--max-tokens", "3")
     assert result.returncode == 2
     one_line_error(result.stderr, "has no chat template", "--raw")
-    raw = run_chat("--raw", "--prompt", "Once upon a time", "--max-tokens", "3")
+    raw = run_chat(bare, "--raw", "--prompt", "Once upon a time", "--max-tokens", "3")
     assert raw.returncode == 0 and raw.stdout.startswith("Once upon a time"), raw.stderr
 
 
@@ -493,7 +496,9 @@ def test_chat_shows_thinking_apart_or_hides_it(model):
 def test_chat_stops_at_a_stop_string(model, free_run):
     prompt, _, text = free_run
     stop = text[10:14]
-    result = run_chat("--raw", "--prompt", prompt, "--max-tokens", "48", "--stop", "never", "--stop", stop)
+    # greedy, as free_run: chat would otherwise sample as the bundled model's generation_config.json says
+    result = run_chat("--raw", "--prompt", prompt, "--max-tokens", "48", "--stop", "never", "--stop", stop,
+                      "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout == prompt + text[:text.find(stop)] + "\n"
 
@@ -543,8 +548,11 @@ def test_chat_stream_never_shows_part_of_a_stop_string(model, capsys):
 def test_doctor_reports_the_chat_template(tmp_path, capsys):
     from qmtp import cli
 
-    assert cli.main(["doctor", str(TINY)]) == 0
+    assert cli.main(["doctor", str(model_dir(tmp_path / "bare", template=None))]) == 0
     assert "chat template: none (chat needs --raw" in capsys.readouterr().out
+    bundled = (TINY / chat.TEMPLATE_FILE).read_text()
+    assert cli.main(["doctor", str(TINY)]) == 0
+    assert f"chat template: {len(bundled)} characters, compiles" in capsys.readouterr().out
     assert cli.main(["doctor", str(model_dir(tmp_path / "good"))]) == 0
     assert f"chat template: {len(QWEN)} characters, compiles" in capsys.readouterr().out
     assert cli.main(["doctor", str(model_dir(tmp_path / "bad", template="{% if %}"))]) == 2

@@ -258,10 +258,12 @@ def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
     prompt_tokens = good.tokenizer.encode(PROMPT)
     i, token = later_token(good, 1, 0.0, prompt_tokens)
     path = damaged("embed_cli", {P + "embed_tokens.weight": (NAN, token * 64 + 1)})
-    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30")
+    # greedy (--temperature 0), so that the poisoned token is the one the run reaches at step i
+    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30", "--temperature", "0")
     print(one_line_error(result, path, f"NaN or Inf logits at position {len(prompt_tokens) + i} (after token {token}"))
     assert result.stdout.startswith(PROMPT) and result.stdout.endswith("\n")  # the text so far, its line ended
-    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30", "--use-mtp", "--n-draft", "3")
+    result = run("chat", "--raw", path, "--prompt", PROMPT, "--max-tokens", "30", "--use-mtp", "--n-draft", "3",
+                 "--temperature", "0")
     print(one_line_error(result, path, "NaN or Inf logits at position", str(token)))  # maybe as a draft
 
 

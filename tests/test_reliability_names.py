@@ -27,10 +27,13 @@ from helpers import expect, rewrite
 from qmtp import layout
 from qmtp.checkpoint import Checkpoint
 from qmtp.errors import CheckpointError, UsageError
+from qmtp.loading import BUNDLED_MODEL
 from qmtp.tiny import synthetic
+from qmtp.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = synthetic.small_config(vocab_size=1024)  # the bundled tokenizer's vocabulary (copied with tokenizer=True)
+# the bundled tokenizer's vocabulary, chat tokens included (copied with tokenizer=True)
+CONFIG = synthetic.small_config(vocab_size=Tokenizer.from_dir(BUNDLED_MODEL).vocab_size)
 P = "model.language_model."  # the released trunk prefix
 TEXT = "model."  # a text-only export's
 FILE = "model.safetensors"

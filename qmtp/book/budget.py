@@ -48,6 +48,8 @@ DECODE = {"prompts": 1, "max_tokens": 16, "n_drafts": (2, 3), "ablations": ("com
                                                                            "no routed experts",
                                                                            "head weights 4-bit",
                                                                            "pre-norm hidden state")}
+# chapter 5's chat section: conversations, the samplers of evaluate.CHAT_SAMPLERS it runs, each thinking on and off
+CHAT = {"conversations": 1, "samplers": ("greedy", "thinking"), "n_draft": 3}
 BENCH = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4, 5), "pass_budget_s": 2.0}  # chapter 6
 ENGINE = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4), "ablate": (1, 4)}  # chapter 7
 
@@ -183,9 +185,9 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
 
     from .evaluate import ENGINE_CHOICES
 
-    # ... and the engines' choices and two sampling temperatures, each at n_draft 2 and 3
+    # ... and the engines' choices and two sampling temperatures, each at n_draft 2 and 3, and the chat section
     n_runs = (2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
-              + 2 * len(ENGINE_CHOICES) + 2 * 2)
+              + 2 * len(ENGINE_CHOICES) + 2 * 2 + CHAT["conversations"] * len(CHAT["samplers"]) * 2)
     ch5_seconds = n_runs * decode_tokens * (full_pass + draft)
     # chapter 6: each width; each of the 4 real-width passes: warm-up and timed calls, at least 6 and about 1.5
     # budgets

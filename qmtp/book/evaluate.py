@@ -132,6 +132,55 @@ def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tok
     }
 
 
+# The samplers the Qwen3.5/3.6 model card recommends, beside greedy (label -> qmtp.Sampling fields): the card's
+# thinking mode, its precise-coding variant of thinking mode, and non-thinking mode.
+CHAT_SAMPLERS = {
+    "greedy": {},
+    "thinking": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+    "precise coding": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0},
+    "non-thinking": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+}
+
+
+def chat_prompts(n: int, seed: int = 0) -> list[list[dict]]:
+    """`n` held-out conversations of `qmtp.tiny.chat_corpus` without their last reply: what a user asks."""
+    from ..tiny import chat_corpus
+
+    return [messages[:-1] for messages, _ in chat_corpus.conversations(n, seed, "heldout")]
+
+
+def chat_acceptance(model: Model, conversations: list[list[dict]], n_draft: int = 4, max_tokens: int = 48,
+                    samplers: dict | None = None, seed: int = 0) -> list[dict]:
+    """Speculative decoding of a reply to each conversation, rendered by the model's chat template with thinking on
+    and off, under each sampler (`CHAT_SAMPLERS` by default); acceptance per draft position pooled over the
+    conversations, one row per (sampler, thinking). Sampled runs use seeds seed, seed + 1, ... per
+    conversation, the same in every row, so rows differ by their settings only."""
+    from ..speculative import generate
+
+    rows = []
+    for label, settings in (samplers if samplers is not None else CHAT_SAMPLERS).items():
+        for thinking in (True, False):
+            k = n_draft - 1
+            drafted, accepted = [0] * k, [0] * k
+            emitted = passes = generated = 0
+            for i, messages in enumerate(conversations):
+                stats = generate(model, messages=messages, enable_thinking=thinking, max_tokens=max_tokens,
+                                 n_draft=n_draft, seed=seed + i, **settings).stats
+                drafted = [a + b for a, b in zip(drafted, stats.drafted)]
+                accepted = [a + b for a, b in zip(accepted, stats.accepted)]
+                emitted += sum(len(s.emitted) for s in stats.steps)
+                passes += stats.trunk_passes
+                generated += stats.generated
+            rows.append({
+                "sampler": label, "thinking": thinking, "settings": settings, "n_draft": n_draft,
+                "per_position": [a / d if d else float("nan") for a, d in zip(accepted, drafted)],
+                "rate": sum(accepted) / sum(drafted) if sum(drafted) else float("nan"),
+                "tokens_per_trunk_pass": emitted / passes if passes else float("nan"),
+                "generated": generated, "drafted": drafted, "accepted": accepted,
+            })
+    return rows
+
+
 # The engines' drafting choices, as options of `qmtp.generate` (chapter 5 measures each): label -> options.
 ENGINE_CHOICES = {
     "qmtp (cache kept, post-norm)": {},

@@ -21,9 +21,11 @@ from ..conventions import conv_to_torch, is_conv_kernel
 from ..convert import replace_directory
 from ..layout import stored_entries
 from ..model import Model
+from ..chat import GENERATION_CONFIG, TEMPLATE_FILE
 from ..tokenizer import CONFIG_FILE, TOKENIZER_FILE
 
-TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)
+# What a model folder needs beside its weights to be talked to; the last two only once it has a chat format
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE, GENERATION_CONFIG)
 
 
 def stored_form(name: str, w: mx.array) -> np.ndarray:
@@ -56,7 +58,8 @@ def export_released(model: Model, dest: str | Path, training_dir: str | Path | N
     if training_dir is not None:
         data_dir = Path(training_dir) / "data"
         for name in TOKENIZER_FILES:
-            shutil.copy2(data_dir / name, tmp / name)
+            if (data_dir / name).exists():
+                shutil.copy2(data_dir / name, tmp / name)
         curve = Path(training_dir) / "loss_curve.json"
         if curve.exists():
             shutil.copy2(curve, tmp / "loss_curve.json")

@@ -113,15 +113,23 @@ def moe_layers(model: Model):
     return [layer.mlp for layer in layers]
 
 
-def losses(model: Model, batch: mx.array, balance: bool = True) -> dict[str, mx.array]:
-    """Trunk next-token CE, head CE for the token after next, and the balance term, on [B, T + 1] tokens."""
+def losses(model: Model, batch: mx.array, balance: bool = True, weights: mx.array | None = None) -> dict[str, mx.array]:
+    """Trunk next-token CE, head CE for the token after next, and the balance term, on [B, T + 1] tokens.
+
+    `weights` [B, T + 1]: how much each token counts as a target (the chat fine-tune's 1 for what the model
+    writes, 0 for what it is only shown); None: every token, equally."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     mlps = moe_layers(model)
     for mlp in mlps:
         mlp.balance_log = [] if balance else None
     _, h = model.trunk(inputs)
-    trunk_ce = nn.losses.cross_entropy(model.logits(h), targets).mean()
-    head_ce = nn.losses.cross_entropy(model.logits(model.head_states(h, inputs)), targets[:, 1:]).mean()
+
+    def mean(ce, w):
+        return ce.mean() if w is None else (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+
+    trunk_ce = mean(nn.losses.cross_entropy(model.logits(h), targets), None if weights is None else weights[:, 1:])
+    head_ce = mean(nn.losses.cross_entropy(model.logits(model.head_states(h, inputs)), targets[:, 1:]),
+                   None if weights is None else weights[:, 2:])
     terms = [t for mlp in mlps for t in (mlp.balance_log or [])]
     for mlp in mlps:
         mlp.balance_log = None
@@ -245,11 +253,43 @@ def chain_agreement(model: Model, batch: mx.array, depth: int) -> list[float]:
             for j, z in enumerate(states)]
 
 
-def prepare_head_data(out: Path, source: Path, seed: int, n_train: int) -> dict:
-    """The training split tokenized with the source model's own tokenizer, cached in OUT/data."""
+def token_stream(tokenizer, texts: list[str]) -> np.ndarray:
+    """Documents tokenized and joined, each followed by end-of-text (as the trunk was trained)."""
+    stream = []
+    for start in range(0, len(texts), 5000):
+        for ids in tokenizer.encode_batch(texts[start: start + 5000]):
+            stream.extend(ids)
+            stream.append(tokenizer.eos_id)
+    return np.array(stream, dtype=np.uint16)
+
+
+def chat_texts(tokenizer, n: int, seed: int, stream: str = "train") -> list[str]:
+    """`n` conversations of `qmtp.tiny.chat_corpus` rendered by the tokenizer's chat template, as trained on."""
+    from . import chat_corpus
+
+    return [tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+            for messages, _ in chat_corpus.conversations(n, seed, stream)]
+
+
+def mixed_texts(tokenizer, seed: int, n_train: int, n_chat: int) -> list[str]:
+    """The first `n_train` documents of the corpus's training split and, with `n_chat`, that many rendered
+    conversations, shuffled together (seeded): a fine-tune on conversations alone would let the plain
+    registers drift, and the head and the book measure those too."""
+    from . import corpus
+
+    texts = [text for _, text in corpus.splits(seed=seed, n_train=n_train, n_heldout=0)["train"]]
+    if n_chat:
+        texts += chat_texts(tokenizer, n_chat, seed)
+        order = np.random.default_rng(seed).permutation(len(texts))
+        texts = [texts[i] for i in order]
+    return texts
+
+
+def prepare_head_data(out: Path, source: Path, seed: int, n_train: int, n_chat: int = 0) -> dict:
+    """The training split (and `n_chat` conversations) tokenized with the source model's own tokenizer, cached
+    in OUT/data."""
     import shutil
 
-    from . import corpus
     from .. import tokenizer as tok
     from .export import TOKENIZER_FILES
 
@@ -258,19 +298,82 @@ def prepare_head_data(out: Path, source: Path, seed: int, n_train: int) -> dict:
     if not cached.exists():
         data_dir.mkdir(parents=True, exist_ok=True)
         for name in TOKENIZER_FILES:
-            shutil.copy2(source / name, data_dir / name)
+            if (source / name).exists():
+                shutil.copy2(source / name, data_dir / name)
         tokenizer = tok.Tokenizer.from_dir(data_dir)
-        print(f"generating and tokenizing {n_train} training documents (seed {seed})", flush=True)
-        texts = [text for _, text in corpus.splits(seed=seed, n_train=n_train, n_heldout=0)["train"]]
-        stream = []
-        for start in range(0, len(texts), 5000):
-            for ids in tokenizer.encode_batch(texts[start: start + 5000]):
-                stream.extend(ids)
-                stream.append(tokenizer.eos_id)
+        print(f"generating and tokenizing {n_train} training documents and {n_chat} conversations (seed {seed})",
+              flush=True)
         tmp = data_dir / "tokens.tmp.npz"
-        np.savez(tmp, train=np.array(stream, dtype=np.uint16))
+        np.savez(tmp, train=token_stream(tokenizer, mixed_texts(tokenizer, seed, n_train, n_chat)))
         os.replace(tmp, cached)
     return {"train": np.load(cached, allow_pickle=False)["train"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
+
+
+def reply_weights(tokenizer, conversations) -> list[tuple[list[int], list[int]]]:
+    """(ids, weights) of each conversation rendered whole: weight 1 on its last reply as the model writes it
+    (after the generation prompt, up to and including `<|im_end|>`), 0 on everything it is shown. The prompt
+    is rendered as `generate` renders it for that conversation's thinking mode, so with thinking off the empty
+    `<think>\n\n</think>\n\n` counts as prompt: trained on, it would teach the model that a reply opened with
+    `<think>\n` (thinking on) may close at once."""
+    from .chat_format import IM_END
+
+    end = tokenizer.token_to_id(IM_END)
+    out = []
+    for messages, thinking in conversations:
+        prompt = tokenizer.apply_chat_template(messages[:-1], enable_thinking=thinking, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+        if ids[:len(prompt)] != prompt or end not in ids[len(prompt):]:
+            raise QmtpError("a rendered conversation does not continue its own prompt token for token")
+        stop = ids.index(end, len(prompt)) + 1
+        out.append((ids, [0] * len(prompt) + [1] * (stop - len(prompt)) + [0] * (len(ids) - stop)))
+    return out
+
+
+def chat_stream(tokenizer, seed: int, n_train: int, n_chat: int, stream: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """The chat fine-tune's tokens and target weights: the first `n_train` training documents (every token
+    counts) and `n_chat` conversations (their last reply counts, `reply_weights`), shuffled together (seeded),
+    each followed by end-of-text; a fine-tune on conversations alone would let the plain registers drift."""
+    from . import chat_corpus, corpus
+
+    texts = [text for _, text in corpus.splits(seed=seed, n_train=n_train, n_heldout=0)["train"]] if n_train else []
+    docs = [(ids, [1] * len(ids)) for ids in tokenizer.encode_batch(texts)]
+    docs += reply_weights(tokenizer, chat_corpus.conversations(n_chat, seed, stream))
+    tokens, weights = [], []
+    for i in np.random.default_rng(seed).permutation(len(docs)):
+        ids, w = docs[i]
+        tokens += ids + [tokenizer.eos_id]
+        weights += w + [1 if w[-1] else 0]  # end-of-text counts after a plain document, not after a reply
+    return np.array(tokens, dtype=np.uint16), np.array(weights, dtype=np.uint8)
+
+
+class WeightedBatches(Batches):
+    """`Batches` of tokens with their target weights, stacked: [2, B, T + 1] (tokens, then weights)."""
+
+    def __init__(self, tokens: np.ndarray, weights: np.ndarray, batch: int, length: int, seed: int):
+        super().__init__(np.stack([tokens.astype(np.int32), weights.astype(np.int32)], axis=1), batch, length, seed)
+
+    def __call__(self, step: int) -> mx.array:
+        return super().__call__(step).transpose(2, 0, 1)
+
+
+def prepare_chat_data(out: Path, source: Path, seed: int, n_train: int, n_chat: int) -> dict:
+    """The chat fine-tune's data, cached in OUT/data: the source's tokenizer extended with the chat tokens
+    (`qmtp.tiny.chat_format`), and `chat_stream` tokenized with it."""
+    from .. import tokenizer as tok
+    from .chat_format import extend_tokenizer
+
+    data_dir = out / "data"
+    cached = data_dir / "tokens.npz"
+    if not cached.exists():
+        tokenizer = extend_tokenizer(source, data_dir)
+        print(f"generating and tokenizing {n_train} training documents and {n_chat} conversations (seed {seed})",
+              flush=True)
+        tokens, weights = chat_stream(tokenizer, seed, n_train, n_chat)
+        tmp = data_dir / "tokens.tmp.npz"
+        np.savez(tmp, train=tokens, weights=weights)
+        os.replace(tmp, cached)
+    arrays = np.load(cached, allow_pickle=False)
+    return {"train": arrays["train"], "weights": arrays["weights"], "tokenizer": tok.Tokenizer.from_dir(data_dir)}
 
 
 def load_start(source: Path, start: str) -> Model:
@@ -292,7 +395,7 @@ def load_start(source: Path, start: str) -> Model:
 
 def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr: float, seed: int, chained: int,
                chain_decay: float, targets: str, balance_weight: float, save_every: int, eval_every: int,
-               n_train: int, stop_after: int | None = None, start: str = "own") -> tuple[Model, bool]:
+               n_train: int, stop_after: int | None = None, start: str = "own", n_chat: int = 0) -> tuple[Model, bool]:
     """Train (or resume) the head of the model in `source` for chained drafting; the trunk stays as loaded."""
     from ..book import evaluate
 
@@ -303,9 +406,9 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
     out.mkdir(parents=True, exist_ok=True)
     run = {"stage": "head-only", "source": str(source), "start_head": start, "steps": steps, "batch": batch, "length": length, "lr": lr,
            "seed": seed, "chained": chained, "chain_decay": chain_decay, "targets": targets,
-           "balance_weight": balance_weight, "n_train": n_train, "cores": os.cpu_count()}
+           "balance_weight": balance_weight, "n_train": n_train, "n_chat": n_chat, "cores": os.cpu_count()}
     (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
-    data = prepare_head_data(out, source, seed, n_train)
+    data = prepare_head_data(out, source, seed, n_train, n_chat)
     mx.random.seed(seed)
     model = load_start(source, start)
     model.freeze()
@@ -346,9 +449,10 @@ def save_head(head, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: str = "own") -> None:
+def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: str = "own", chat: bool = False) -> None:
     """The source model with its new head, in the released layout, with the source's tokenizer and loss curve
-    (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons)."""
+    (the trunk's training), the head stage's own curve, and the source's head as it was (for comparisons). After
+    a chat fine-tune (`chat`) the first head stage's records pass through and this one's curve is the chat one."""
     import shutil
 
     from ..checkpoint import Checkpoint, write_safetensors
@@ -377,10 +481,11 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
     write_safetensors(tmp, entries, {"format": "pt"})
     os.replace(tmp, dest / "model.safetensors")
     save_head(load_start(source, start).mtp, dest / PREVIOUS_HEAD_FILE)
-    for name in (*TOKENIZER_FILES, "loss_curve.json", "training.json"):
+    for name in (*TOKENIZER_FILES, "loss_curve.json", "training.json", CHAT_CURVE_FILE,
+                 *(FIRST_HEAD_RECORDS if chat else ())):
         if (source / name).exists():
             shutil.copy2(source / name, dest / name)
-    shutil.copy2(out / "head_loss_curve.json", dest / "head_loss_curve.json")
+    shutil.copy2(out / "head_loss_curve.json", dest / (CHAT_HEAD_CURVE_FILE if chat else "head_loss_curve.json"))
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -539,6 +644,100 @@ def train(out: Path, steps: int, batch: int, length: int, lr: float, seed: int, 
     return model, progress["step"] >= steps
 
 
+# ---- the chat fine-tune: the trained model taught its family's chat format -------------------------------
+CHAT_TRAINING_FILE = "chat_training.json"  # the record `qmtp.tiny.card` renders, written beside the model
+CHAT_CURVE_FILE = "chat_loss_curve.json"
+CHAT_HEAD_CURVE_FILE = "chat_head_loss_curve.json"  # the head-only stage after the chat fine-tune
+FIRST_HEAD_RECORDS = ("head_training.json", "head_loss_curve.json")  # the first head-only stage's, kept through
+
+
+def chat_probes(model: Model, tokenizer, seed: int, length: int) -> dict[str, tuple[mx.array, mx.array | None]]:
+    """Fixed held-out batches for the fine-tune's curve, (tokens, weights): plain text (the corpus's held-out
+    split, every token, as the first training's probe) and templated conversations of the held-out stream
+    (their replies, as trained)."""
+    plain = []
+    for doc in _heldout_plain(seed):
+        plain.extend(tokenizer.encode(doc) + [tokenizer.eos_id])
+        if len(plain) >= 8 * (length + 1):
+            break
+    chats, weights = chat_stream(tokenizer, seed, 0, 200, "heldout")
+    rows = lambda ids: mx.array(np.array(ids[: 8 * (length + 1)], dtype=np.int32).reshape(8, length + 1))
+    return {"plain": (rows(plain), None), "chat": (rows(chats), rows(weights).astype(mx.float32))}
+
+
+def _heldout_plain(seed: int) -> list[str]:
+    from . import corpus
+
+    return [text for _, text in corpus.unseen_heldout(seed)]
+
+
+def train_chat(out: Path, source: Path, steps: int, batch: int, length: int, lr: float, seed: int, mtp_weight: float,
+               balance_weight: float, save_every: int, eval_every: int, n_train: int, n_chat: int,
+               stop_after: int | None = None, start: str = "own") -> tuple[Model, bool]:
+    """Fine-tune (or resume) the model in `source`, trunk and head, on its corpus mixed with templated
+    conversations, its vocabulary grown by the chat tokens; the objective is the first training's. `start`
+    "previous" starts the head from the one `source` keeps from before its chained training: then this stage
+    repeats the first training's single-step objective on a head that never learned chaining, and a head-only
+    stage after it measures again what chaining adds (chapter 5)."""
+    from .chat_format import grow_vocabulary
+
+    out.mkdir(parents=True, exist_ok=True)
+    run = {"stage": "chat", "source": str(source), "start_head": start, "steps": steps, "batch": batch, "length": length, "lr": lr,
+           "seed": seed, "mtp_weight": mtp_weight, "balance_weight": balance_weight, "n_train": n_train,
+           "n_chat": n_chat, "cores": os.cpu_count()}
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    data = prepare_chat_data(out, source, seed, n_train, n_chat)
+    tokenizer = data["tokenizer"]
+    mx.random.seed(seed)
+    model = load_start(source, start)
+    grow_vocabulary(model, tokenizer.vocab_size, seed)
+    model.tokenizer = tokenizer
+    optimizer = optim.AdamW(learning_rate=lr, weight_decay=0.01)
+
+    def objective(model, batch):
+        parts = losses(model, batch[0], weights=batch[1].astype(mx.float32))
+        return parts["trunk"] + mtp_weight * parts["head"] + balance_weight * parts["balance"], parts
+
+    probes = chat_probes(model, tokenizer, seed, length)
+
+    def probe_losses() -> dict:
+        found = {}
+        for name, (rows, weights) in probes.items():
+            held = losses(model, rows, balance=False, weights=weights)
+            found[f"{name}_trunk"], found[f"{name}_head"] = float(held["trunk"]), float(held["head"])
+        return found
+
+    before = out / "before.json"  # the probes on the grown model before any step: the fine-tune's starting point
+    if not before.exists():
+        before.write_text(json.dumps(probe_losses(), indent=2) + "\n")
+
+    def measure(step):
+        if not ((step + 1) % eval_every == 0 or step + 1 == steps):
+            return {}
+        return probe_losses()
+
+    batches = WeightedBatches(data["train"], data["weights"], batch, length, seed)
+    progress = optimise(out, model, optimizer, objective, batches, steps, lr,
+                        max(1, min(50, steps // 10)), save_every, stop_after, "chat fine-tune", measure,
+                        lambda r: {"trunk": f"{r['trunk']:.3f}", "head": f"{r['head']:.3f}"})
+    (out / CHAT_CURVE_FILE).write_text(json.dumps(progress["history"]))
+    return model, progress["step"] >= steps
+
+
+def export_chat_stage(model: Model, source: Path, dest: Path, out: Path) -> None:
+    """The fine-tuned model in the released layout with its chat tokenizer, template and generation config, the
+    source's records of its first training (loss curve, training.json, head stage) and the fine-tune's own."""
+    import shutil
+
+    from .export import export_released
+
+    export_released(model, dest, training_dir=out)
+    for name in ("loss_curve.json", "training.json", *FIRST_HEAD_RECORDS):
+        if (source / name).exists():
+            shutil.copy2(source / name, dest / name)
+    shutil.copy2(out / CHAT_CURVE_FILE, dest / CHAT_CURVE_FILE)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qmtp.tiny.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="working folder (resumable state, data cache, loss curve)")
@@ -561,11 +760,17 @@ def main(argv=None) -> int:
     parser.add_argument("--chained", type=int, default=3, help="--head-only: steps on the head's own outputs (0: none)")
     parser.add_argument("--chain-decay", type=float, default=0.8, help="--head-only: weight of chained step j is decay^(j-1)")
     parser.add_argument("--targets", default="trunk", help="--head-only: 'trunk' (its distributions) or 'text' (tokens)")
-    parser.add_argument("--start-head", default="own", help="--head-only: 'own' (--from's head) or 'previous' (the "
+    parser.add_argument("--chat", action="store_true", help="fine-tune --from (default: bundled) on its corpus mixed "
+                        "with templated conversations, its tokenizer given the chat tokens; with --head-only: mix the "
+                        "conversations into the head's data")
+    parser.add_argument("--conversations", type=int, help="--chat: conversations to generate (default: as many as documents)")
+    parser.add_argument("--start-head", default="own", help="--head-only, --chat: 'own' (--from's head) or 'previous' (the "
                         "head --from keeps from before its last head-only stage: reruns that stage)")
     args = parser.parse_args(argv)
     if args.head_only:
         return main_head_only(args)
+    if args.chat:
+        return main_chat(args)
     if args.quick:
         steps, n_train, n_heldout, vocab = args.steps or 40, args.documents or 3000, 300, min(args.vocab_size, 512)
     else:
@@ -593,6 +798,37 @@ def main_head_only(args) -> int:
         model, finished = train_head(args.out, source, steps, args.batch, args.length, lr, args.seed, args.chained,
                                      args.chain_decay, args.targets, args.balance_weight, min(args.save_every, steps),
                                      min(args.eval_every, steps), args.documents or 100_000, args.stop_after,
+                                     args.start_head, chat_count(args))
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not finished:
+        print(f"stopped before step {steps}: run the same command again to resume")
+    elif args.export:
+        export_head_stage(model, source, args.export, args.out, args.start_head, chat=args.chat)
+        print(f"exported to {args.export}")
+    return 0
+
+
+def chat_count(args) -> int:
+    if not args.chat:
+        return 0
+    return args.conversations if args.conversations is not None else args.documents or CHAT_DOCUMENTS
+
+
+CHAT_DOCUMENTS = 20_000  # a fifth of the first training's documents: the fine-tune sees a small part of each
+
+
+def main_chat(args) -> int:
+    from ..loading import BUNDLED_MODEL, resolve_path
+
+    source = resolve_path(args.source or BUNDLED_MODEL)
+    steps = args.steps or 200
+    lr = args.lr or 1e-3  # a fine-tune: a third of the first training's peak
+    try:
+        model, finished = train_chat(args.out, source, steps, args.batch, args.length, lr, args.seed, args.mtp_weight,
+                                     args.balance_weight, min(args.save_every, steps), min(args.eval_every, steps),
+                                     args.documents or CHAT_DOCUMENTS, chat_count(args), args.stop_after,
                                      args.start_head)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -600,7 +836,7 @@ def main_head_only(args) -> int:
     if not finished:
         print(f"stopped before step {steps}: run the same command again to resume")
     elif args.export:
-        export_head_stage(model, source, args.export, args.out, args.start_head)
+        export_chat_stage(model, source, args.export, args.out)
         print(f"exported to {args.export}")
     return 0
 
