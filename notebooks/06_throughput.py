@@ -321,10 +321,10 @@ glue("claim_high", high, display=False)
 glue(
     "claim_range_verdict",
     (
-        "lie around this prediction: its best, "
+        "brackets this prediction: its best, "
         f"{moe[best]:.2f}x, is inside that range"
         if low <= moe[best] <= high
-        else f"lie {'above' if moe[best] < low else 'below'} this prediction: its "
+        else f"lies {'above' if moe[best] < low else 'below'} this prediction: its "
         f"best, {moe[best]:.2f}x, is outside that range"
     ),
     display=False,
@@ -362,8 +362,10 @@ fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 # {glue:text}`moe_best_clause` ({glue:text}`moe8_n2:.2f`x with an 8-bit trunk); by `n_draft=5` the growing
 # union of experts and the head's lm_head reads bring it to {glue:text}`moe4_n5:.2f`x. A dense model of
 # the same active size gains {glue:text}`dense4_n2:.2f`x at `n_draft=2` and up to
-# {glue:text}`dense4_best:.2f`x. The reported speedups for A3B MoE models, {glue:text}`claim_low:.1f`x to
-# {glue:text}`claim_high:.1f`x, {glue:text}`claim_range_verdict`.
+# {glue:text}`dense4_best:.2f`x. The seed's claim of {glue:text}`claim_low:.1f`x to
+# {glue:text}`claim_high:.1f`x for A3B MoE models (summarised from
+# {cite:p}`vllmmlx245,llamacpp22673,kyuz0strix53`; {doc}`08_claims` sets each published run beside this
+# prediction) {glue:text}`claim_range_verdict`.
 #
 # A fixed cost per pass (launching kernels, synchronising with the host) moves the prediction in a direction
 # that depends on who pays it (`throughput.overhead_effect`). Paid once per step, by the verify pass, with

@@ -146,7 +146,7 @@ wait_share = phases.get("sync", 0) * 1e3 / step_ms[2]
 glue(
     "phase_phrase",
     (
-        "The loop's phase timers cannot split that part off: at `n_draft=2` \"queue\" "
+        "The loop's phase timers cannot split that part off: at n_draft=2 \"queue\" "
         "takes "
         + (
             "about the whole step"
@@ -158,7 +158,7 @@ glue(
         "of its computation there and then, and waiting finds it done"
         if queue_share + wait_share > outside[2] + 0.1
         else "That part is the loop's: the host calling the compiled step and queueing "
-        f"it, {queue_share:.0%} of a step at `n_draft=2`, and waiting for its tokens, "
+        f"it, {queue_share:.0%} of a step at n_draft=2, and waiting for its tokens, "
         f"{wait_share:.0%}. On the CPU MLX computes on the host's own cores, so the "
         "host's work and the computation take turns more than they overlap"
     ),
@@ -320,7 +320,7 @@ glue(
         "computation."
         if not (pays[1] or pays[4])
         else "Queueing ahead pays only at "
-        + ("plain decoding." if pays[1] else "`n_draft=4`.")
+        + ("plain decoding." if pays[1] else "n_draft=4.")
     ),
     display=False,
 )
@@ -481,6 +481,7 @@ saved = results.save(
         "step_ms": {str(n): v for n, v in step_ms.items()},
         "outside_passes": {str(n): v for n, v in outside.items()},
         "auto_over_best_fixed": auto["over_best_fixed"],
+        "auto_over_plain": auto["speedup_vs_plain"],
         "ablation": report["ablation"],
         "qmtp_over_mlx_lm": versus["ratio"],
         "qmtp_over_mlx_vlm_best": vlm_best,

@@ -376,7 +376,7 @@ Markdown(
 )
 
 # %% tags=["hide-input"]
-results.save(
+_ = results.save(  # the path it returns is not for the reader
     "08_claims",
     path,
     {

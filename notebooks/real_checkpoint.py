@@ -92,8 +92,8 @@ Markdown(inventory.markdown_table(widths, list(widths[0]), one_decimal))
 
 # %% [markdown]
 # The release itself ({glue:text}`release_f32:.0f` GiB in float32, {glue:text}`release_bf16:.0f` GiB in
-# bfloat16) fits {glue:text}`release_fits_f32` in float32 and {glue:text}`release_fits_bf16` in bfloat16
-# (with the runtime). A conversion with a 4-bit
+# bfloat16) fits {glue:text}`release_fits_f32` in float32; in bfloat16 it fits
+# {glue:text}`release_fits_bf16` (with the runtime). A conversion with a 4-bit
 # trunk and the head in bf16 is {glue:text}`q4_gb:.1f` GB on disk and {glue:text}`q4_f32:.1f` GiB loaded: that
 # is the model to decode with on either machine.
 #

@@ -218,7 +218,7 @@ def test_bad_settings_are_refused_at_once(model, kwargs, fragment):
     expect(UsageError, lambda: qmtp.Conversation(model, **kwargs), fragment)
 
 
-def test_bad_messages_are_refused(model):
+def test_bad_messages_are_refused(model, tmp_path):
     conversation = qmtp.Conversation(model)
     for message, fragment in [("", "empty"), ("  \n", "empty"), (None, "text"), (["hi"], "text"),
                               ({"role": "user", "content": "hi"}, "text")]:
@@ -230,7 +230,8 @@ def test_bad_messages_are_refused(model):
     expect(UsageError, lambda: raw.send([5000]), "outside the vocabulary")
     assert raw.tokens == []
     expect(UsageError, lambda: qmtp.Conversation("model"), "qmtp Model")
-    expect(UsageError, lambda: qmtp.Conversation(qmtp.load()), "no chat template", "raw=True")
+    untemplated = qmtp.load(model_dir(tmp_path / "untemplated", template=None))
+    expect(UsageError, lambda: qmtp.Conversation(untemplated), "no chat template", "raw=True")
 
 
 def test_chat_keeps_the_state_between_turns(model):
