@@ -18,7 +18,8 @@
 # %% [markdown]
 # # 9. Beyond one machine
 #
-# The 35B-A3B at 4 bits weighs about 20 GB: more than a 16 GB laptop holds. Its routed experts are almost
+# The 35B-A3B at 4 bits, its head in bf16 as this book converts it, weighs about
+# {glue:text}`q4_whole_gb:.0f` GB: more than a 16 GB laptop holds. Its routed experts are almost
 # all of it, and a token reads only k of the E experts of each layer. So the experts can be spread over
 # several machines: with N ranks, rank r holds experts r E/N to (r+1) E/N - 1 of every MoE layer, trunk and
 # head, and everything else whole (`qmtp.parallel`). Each rank computes the chosen experts it holds, one
@@ -50,7 +51,7 @@ import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
 from qmtp import sizes
-from qmtp.book import beyond, inventory, plots, published, throughput
+from qmtp.book import beyond, budget, inventory, plots, published, throughput
 from qmtp.config import QWEN36_35B_A3B as REAL
 from qmtp.loading import BUNDLED_MODEL
 
@@ -64,11 +65,11 @@ table = inventory.markdown_table
 # The experts of each MoE layer are split into N contiguous blocks, one per rank; N must divide E (256
 # for this model), so N is 1, 2, 4 or 8 here. What every rank keeps whole, the attention and DeltaNet
 # mixers, the routers, the shared experts, the embeddings and `lm_head`, does not shrink with N. For the
-# released 35B-A3B converted to 4 bits (the head too), `qmtp.sizes.per_rank_bytes` gives each rank's
-# share:
+# released 35B-A3B converted to 4 bits with the head kept in bf16 (as {doc}`03_converting` converts it and
+# as every size and prediction of the book assumes), `qmtp.sizes.per_rank_bytes` gives each rank's share:
 
 # %%
-q4 = sizes.sizes(REAL, 4, mtp_bits=4)
+q4 = sizes.sizes(REAL, 4, mtp_bits=throughput.HEAD_BITS)  # the head in bf16
 layout = beyond.layout_rows(q4, REAL.num_experts)
 columns = ["ranks", "experts per rank", "rank 0", "last rank", "per rank"]
 display(
@@ -92,26 +93,48 @@ glue("q4_eight_share", layout[-1]["of one process"], display=False)
 #
 # ## How many machines hold it
 #
-# The smallest N whose per-rank share fits a machine's memory (`qmtp.sizes.fewest_ranks`), at each width
-# of the trunk (the head at the same width, bf16 meaning nothing quantized). Weights only: the KV cache,
-# activations, MLX's buffers and the operating system need room beside them, so a machine whose memory
-# the share only just fits needs the next N in practice. A blank cell means no N up to 8 fits.
+# The smallest N whose per-rank share fits a machine's memory, at each width of the trunk, the head in
+# bf16 (the bf16 row is the release, nothing quantized). Each cell gives two N: for the weights alone,
+# and with the runtime beside each rank's weights, the {glue:text}`runtime_gib:.1f` GiB of Python, MLX and
+# activations that {doc}`real_checkpoint` adds (`qmtp.book.budget.fits`, which counts a machine's
+# memory in GiB). The KV cache of a long context and the operating system need room beyond that, so a
+# machine the second N only just fits may need the next in practice. A dash means no N up to 8 fits.
 
 # %%
 machines = (16, 32, 64, 128, 192)
-fits = beyond.fit_rows(REAL, machines)
+bare = beyond.fit_rows(REAL, machines)
+fits = beyond.fit_rows(REAL, machines, runtime=True)
 cells = [f"{m} GB" for m in machines]
-for row in fits:
-    row.update({c: "-" if row[c] is None else row[c] for c in cells})
-display(Markdown(table(fits, ["width", "whole GB", *cells], {"whole GB": "{:.1f}"})))
+def both(w, r, c):  # weights only / with the runtime
+    return " / ".join("-" if x[c] is None else str(x[c]) for x in (w, r))
+
+
+shown = [{**w, **{c: both(w, r, c) for c in cells}} for w, r in zip(bare, fits)]
+head = ["width", "whole GB", *cells]
+display(Markdown(table(shown, head, {"whole GB": "{:.1f}"})))
 bf16, q4_row = fits[0], fits[-1]
+glue("runtime_gib", budget.RUNTIME_GB, display=False)
 glue("bf16_gb", bf16["whole GB"], display=False)
 glue("bf16_on_32", bf16["32 GB"], display=False)
-glue("q4_on_16", q4_row["16 GB"], display=False)
+glue("q4_on_16_bare", bare[-1]["16 GB"], display=False)
+q4_two = sizes.per_rank_bytes(q4, 2)
+glue("q4_two_gib", q4_two / 2**30, display=False)
+on_16 = q4_row["16 GB"]
+glue(
+    "q4_on_16",
+    f"{on_16} laptops of 16 GB hold it"
+    if on_16
+    else "no number up to 8 of 16 GB laptops holds it",
+    display=False,
+)
+room = "leaves" if budget.fits(q4_two, 16) else "does not leave"
+glue("q4_two_fits", room, display=False)
 
 # %% [markdown]
-# The bf16 release ({glue:text}`bf16_gb:.0f` GB) needs {glue:text}`bf16_on_32` machines of 32 GB; at
-# 4 bits, {glue:text}`q4_on_16` laptops of 16 GB hold it.
+# With the runtime counted, the bf16 release ({glue:text}`bf16_gb:.0f` GB) needs
+# {glue:text}`bf16_on_32` machines of 32 GB, and at 4 bits {glue:text}`q4_on_16`: each of two ranks holds
+# {glue:text}`q4_two_gib:.1f` GiB of weights, which {glue:text}`q4_two_fits` room for the runtime's
+# {glue:text}`runtime_gib:.1f` GiB in 16 GiB (for the weights alone, {glue:text}`q4_on_16_bare` would do).
 #
 # The larger members of the family, Qwen3.5-122B-A10B and Qwen3.5-397B-A17B, are not in this table nor
 # in the predictions below: every size here is computed from a config's values, and their `config.json`
@@ -251,25 +274,33 @@ for k in published.LINKS:
 
 # %% [markdown]
 # RDMA over Thunderbolt 5, MLX's JACCL backend, at most {glue:text}`rdma_thunderbolt5_us:.0f` µs, and TCP
-# between the same Macs, about {glue:text}`tcp_between_macs_us:.0f` µs (published figures, not measured
-# here; the RDMA figure is the source's upper bound, so the model's RDMA rows are its worst case). No
-# published latency for 10 GbE was found with a source that could be cited; TCP over 10 GbE is priced by
-# the TCP row. A fourth row, with no latency at all, is the bound that separates what the experts' split
-# does from what the links do. Each machine is given the memory bandwidth of an M3 Ultra or a Strix Halo
-# (`qmtp.book.published`, from the vendors' bus widths and transfer rates), one rank per machine, the
-# 35B-A3B at 4 bits with its head in bf16, 1024 tokens of context, and, as in {doc}`06_throughput`,
-# {glue:text}`reported_acceptance`:
+# between the same Macs, about {glue:text}`tcp_between_macs_us:.0f` µs: the source's latencies of a
+# transfer between two of its Macs, which the model takes as the latency of one `all_sum` per MoE layer
+# (published figures, not measured here; the RDMA figure is the source's upper bound, so the model's RDMA
+# rows are its worst case). No published latency for 10 GbE was found with a source that could be cited;
+# TCP over 10 GbE is priced by the TCP row. A fourth row, with no latency at all, is the bound that
+# separates what the experts' split does from what the links do. Each machine is given the memory
+# bandwidth of an M3 Ultra or a Strix Halo (`qmtp.book.published`, from the vendors' bus widths and
+# transfer rates), one rank per machine, the 35B-A3B at 4 bits with its head in bf16,
+# {glue:text}`context` tokens of context as in {doc}`06_throughput`, and, as there,
+# {glue:text}`reported_acceptance`. No published latency between Strix Halo machines was found: the
+# Strix Halo rows over RDMA and TCP are Mac link latencies applied to Strix Halo bandwidth, an
+# assumption, and the column "latency from" says so on each of them, as it does on the loopback rows,
+# whose latency is this host's and not a link's between machines.
 
 # %%
 memories = {"M3 Ultra": published.M3_ULTRA, "Strix Halo": published.STRIX_HALO}
-predicted = beyond.prediction_rows(REAL, 4, memories, links)
+measured_on = {k.name: k.measured_on for k in published.LINKS}
+measured_on["loopback (measured here)"] = beyond.HERE
+predicted = beyond.prediction_rows(REAL, 4, memories, links, measured_on=measured_on)
 glue("reported_acceptance", throughput.reported_acceptance(), display=False)
+glue("context", throughput.DEFAULT_CONTEXT, display=False)
 display(
     Markdown(
         table(
             predicted,
-            ["memory", "link", "ranks", "plain tok/s", "best n_draft", "best tok/s"]
-            + ["MTP speedup"],
+            ["memory", "link", "latency from", "ranks", "plain tok/s", "best n_draft"]
+            + ["best tok/s", "MTP speedup"],
             {"plain tok/s": "{:.0f}", "best tok/s": "{:.0f}", "MTP speedup": "{:.2f}"},
         )
     )
@@ -277,20 +308,25 @@ display(
 says = beyond.verdicts(predicted)
 for key, value in says.items():
     glue(f"v_{key}", value, display=False)
-slower = "slower than on one, for every memory and every link above"
-glue(
-    "v_plain",
-    slower + ": the all_sums cost more than the split of the experts saves"
-    if says["plain_slower"]
-    else "not always slower than on one",
-    display=False,
+real = [k for k in links if k != beyond.NO_LATENCY]
+named = ", ".join(real[:-1]) + " and " + real[-1]
+plain = "slower" if says["plain_slower"] else "not always slower"
+free = (
+    "with no latency at all it would be faster"
+    if says["plain_free_faster"]
+    else "even with no latency at all it would not always be faster"
 )
+glue("v_plain", f"{plain} than on one over every real link ({named})", display=False)
+glue("v_plain_free", free, display=False)
 more = says["grows"] == says["pairs"]
-glue(
-    "v_pays",
-    "makes MTP pay more" if more else "does not always make MTP pay more",
-    display=False,
+glue("v_pays", "gains more" if more else "does not always gain more", display=False)
+everywhere = says["best_slower"] == says["several"]
+buys = (
+    "memory, not speed"
+    if everywhere
+    else "memory, and speed only in the cases just named"
 )
+glue("v_buys", buys, display=False)
 
 # %% mystnb={"figure": {"caption": "Predicted tokens/s of the 35B-A3B at 4 bits against the number of machines of M3 Ultra bandwidth, one rank each, for each link's per-layer all_sum latency and for none at all: plain decoding dashed, the best n_draft solid with that n_draft written beside each point. With one machine there is no all_sum; from two on, each pass pays one per MoE layer.", "name": "fig-machines-scaling"}}
 fig = plots.machines_scaling(predicted, "M3 Ultra")
@@ -304,14 +340,19 @@ fig = plots.machines_scaling(predicted, "M3 Ultra")
 # {glue:text}`v_n_many_min` to {glue:text}`v_n_many_max`, larger than on one machine for
 # {glue:text}`v_grows` of the {glue:text}`v_pairs` pairs of memory and link. On top of the split, a
 # pass pays one `all_sum` per MoE layer whatever its width, so the more tokens a pass verifies, the fewer
-# passes pay them: the slower the link, the more MTP gains. So spreading the experts
-# {glue:text}`v_pays`, relative to plain decoding on the same machines.
+# passes pay them: the slower the link, the more MTP gains. So, relative to plain decoding on the same
+# machines, MTP {glue:text}`v_pays` on several machines than on one.
 #
-# In absolute terms, plain decoding on two or more machines is {glue:text}`v_plain`.
-# {glue:text}`v_faster`. For a model that fits one machine, then,
-# spreading it buys memory rather than speed, and MTP wins back part of what the links cost; for a model
-# that needs several machines (the bf16 release on machines of 32 or 64 GB, or the larger members of the
-# family), MTP is what makes the links' latency worth paying.
+# That is a relative gain, not speed. In tokens/s, plain decoding on two or more machines is
+# {glue:text}`v_plain`; {glue:text}`v_plain_free`, so it is the links, not the split, that cost. And the
+# best `n_draft` on several machines is slower than the best on one machine in {glue:text}`v_best_slower`
+# of the {glue:text}`v_several` rows of two or more machines over the real links: over
+# {glue:text}`v_slow_link`, {glue:text}`v_slow_memory` machines reach at most
+# {glue:text}`v_slow_best_many:.0f` tokens/s on two to {glue:text}`v_most` of them, against
+# {glue:text}`v_slow_best_one:.0f` on one. {glue:text}`v_faster`. For a model that fits one machine,
+# then, spreading it buys {glue:text}`v_buys`. For a model that needs several machines (the bf16 release
+# on machines of 32 or 64 GB, or the larger members of the family) there is no one-machine figure to
+# compare with; there MTP's speedup over plain decoding on the same machines is the one above.
 #
 # ## Summary
 #
@@ -322,6 +363,9 @@ fig = plots.machines_scaling(predicted, "M3 Ultra")
 #   tiny model's size, was {glue:text}`rss_share:.2f` times one process's.
 # - An `all_sum` per layer cost {glue:text}`loopback_us:.0f` µs here; two ranks sharing two cores decode
 #   slower than one process, which is contention, not a network.
-# - The cost model says MTP pays more on N machines than on one: each machine reads only its share of a
-#   verify pass's experts, and the tokens of a verify pass share its per-layer `all_sum`s. Plain decoding
-#   on several machines is {glue:text}`v_plain`.
+# - The cost model says MTP's speedup over plain decoding on the same machines is larger on N machines than
+#   on one in {glue:text}`v_grows` of {glue:text}`v_pairs` cases: each machine reads only its share of a
+#   verify pass's experts, and the tokens of a verify pass share its per-layer `all_sum`s. In tokens/s,
+#   though, plain decoding on several machines is {glue:text}`v_plain`, and the best on several machines
+#   is below one machine's best in {glue:text}`v_best_slower` of {glue:text}`v_several` rows: for a model
+#   that fits one machine, several buy {glue:text}`v_buys`.

@@ -22,7 +22,7 @@ from qmtp.config import QWEN36_35B_A3B as REAL
 from qmtp.parallel import ExpertShard
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORT = sizes.sizes(REAL, 4, mtp_bits=4)
+REPORT = sizes.sizes(REAL, 4, mtp_bits=None)  # the head in bf16, as the book converts it
 RATES = [0.78, 0.59, 0.45, 0.34]
 MACHINE = Machine(published.M3_ULTRA.bandwidth)
 
@@ -51,22 +51,27 @@ def test_layout_rows_are_per_rank_bytes():
     assert shares == sorted(shares, reverse=True) and shares[-1] > 1 / 8  # the replicated part stays
 
 
-def test_fit_rows_give_the_smallest_n_that_fits():
+@pytest.mark.parametrize("runtime", [False, True])
+def test_fit_rows_give_the_smallest_n_that_fits(runtime):
+    from qmtp.book import budget
+
     machines = (16, 32, 64, 128, 192)
-    rows = beyond.fit_rows(REAL, machines)
+    rows = beyond.fit_rows(REAL, machines, runtime=runtime)
     assert [r["width"] for r in rows] == ["bf16", "8-bit", "6-bit", "4-bit"]
     for row, bits in zip(rows, (16, 8, 6, 4)):
-        report = sizes.sizes(REAL, bits, mtp_bits=None if bits == 16 else bits,
-                             router_bits=16 if bits == 16 else 8)
+        report = sizes.sizes(REAL, bits, mtp_bits=None, router_bits=16 if bits == 16 else 8)
+        if bits != 16:  # the book's conversions: head in bf16 (budget.stored_bytes)
+            assert report.total_bytes == budget.stored_bytes(REAL, bits)
         assert row["whole GB"] == report.total_bytes / beyond.GB
+        room = budget.RUNTIME_GB * 2**30 if runtime else 0
         for m in machines:
             n = row[f"{m} GB"]
             if n is None:
-                assert sizes.per_rank_bytes(report, 8) > m * beyond.GB
+                assert sizes.per_rank_bytes(report, 8) + room > m * 2**30
                 continue
-            assert sizes.per_rank_bytes(report, n) <= m * beyond.GB
+            assert sizes.per_rank_bytes(report, n) + room <= m * 2**30
             if n > 1:
-                assert sizes.per_rank_bytes(report, n // 2) > m * beyond.GB
+                assert sizes.per_rank_bytes(report, n // 2) + room > m * 2**30
     # more memory never needs more machines
     for row in rows:
         cells = [row[f"{m} GB"] or 99 for m in machines]
@@ -146,6 +151,37 @@ def test_verdicts_read_the_rows():
     assert says["speedup_free"] == free["MTP speedup"]
     assert says["speedup_many_min"] == says["speedup_many_max"] == eight["MTP speedup"]
     assert says["plain_slower"] is True and says["faster"].startswith("The best of several machines never")
+    assert says["plain_free_faster"] is True  # the bound is excluded from plain_slower, and is faster
+    assert says["best_slower"] == says["several"] == 3 and says["slow_link"] == "slow"
+    assert says["slow_best_many"] == max(r["best tok/s"] for r in rows if r["link"] == "slow" and r["ranks"] > 1)
+    assert says["slow_best_one"] == one["best tok/s"]
+
+
+def test_rows_say_where_a_latency_was_measured():
+    from qmtp.book.throughput import DEFAULT_CONTEXT
+
+    memories = {"M3 Ultra": published.M3_ULTRA, "Strix Halo": published.STRIX_HALO}
+    links = {k.name: k.seconds for k in published.LINKS}
+    rows = beyond.prediction_rows(REAL, 4, memories, links,
+                                  measured_on={k.name: k.measured_on for k in published.LINKS})
+    for r in rows:
+        assert r["assumed"] == (r["memory"] != "M3 Ultra")
+        assert ("an assumption" in r["latency from"]) == r["assumed"]
+    says = beyond.verdicts(rows)
+    if any(r["assumed"] for r in rows if r["ranks"] > 1 and "Strix" in says["faster"]):
+        assert "an assumption" in says["faster"]  # a case resting on Mac latencies says so
+    # chapter 6's context by default
+    explicit = beyond.prediction_rows(REAL, 4, memories, links, context=DEFAULT_CONTEXT)
+    assert [r["best tok/s"] for r in explicit] == [r["best tok/s"] for r in rows]
+
+
+def test_link_texts_do_not_call_the_latency_a_memory_access():
+    bib = (ROOT / "book" / "references.bib").read_text()
+    entry = bib[bib.index("@misc{geerling2025rdma"):]
+    entry = entry[: entry.index("\n}")]
+    assert "memory access latency" not in entry
+    for k in published.LINKS:
+        assert "memory access latency" not in k.where and "all_sum" in k.where
 
 
 # ---- the live check's bookkeeping ----------------------------------------------------------------------------

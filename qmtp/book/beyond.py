@@ -65,18 +65,20 @@ def layout_rows(report, n_experts: int, ranks=(1, 2, 4, 8), unit: float = GB) ->
 
 
 def fit_rows(config, machines_gb=(16, 32, 64, 128, 192), widths=(16, 8, 6, 4), ranks=(1, 2, 4, 8),
-             usable: float = 1.0) -> list[dict]:
-    """The fewest ranks (`qmtp.sizes.fewest_ranks`) whose weights fit each machine, one row per trunk width
-    (16: bf16; the head at the same width, router gates at 8 bits as mlx-lm converts). None: not even 8."""
-    from ..sizes import UNQUANTIZED, fewest_ranks, sizes
+             runtime: bool = False) -> list[dict]:
+    """The fewest ranks whose per-rank weights (`qmtp.sizes.per_rank_bytes`) fit each machine, one row per trunk
+    width (16: bf16, the release), the head in bf16 as the book converts it (`qmtp.book.budget.stored_bytes`),
+    router gates at 8 bits as mlx-lm converts. A machine of m "GB" holds m GiB and, with `runtime`, each rank
+    also needs `budget.RUNTIME_GB` beside its weights: `budget.fits`'s semantics. None: not even 8."""
+    from ..sizes import UNQUANTIZED, per_rank_bytes, sizes
+    from .budget import fits
 
     rows = []
     for bits in widths:
-        report = sizes(config, bits, mtp_bits=None if bits == UNQUANTIZED else bits,
-                       router_bits=UNQUANTIZED if bits == UNQUANTIZED else 8)
+        report = sizes(config, bits, mtp_bits=None, router_bits=UNQUANTIZED if bits == UNQUANTIZED else 8)
         row = {"width": "bf16" if bits == UNQUANTIZED else f"{bits}-bit", "whole GB": report.total_bytes / GB}
         for m in machines_gb:
-            row[f"{m} GB"] = fewest_ranks(report, m * GB, ranks, usable)
+            row[f"{m} GB"] = next((n for n in ranks if fits(per_rank_bytes(report, n), m, runtime)), None)
         rows.append(row)
     return rows
 
@@ -216,14 +218,19 @@ def acceptance_rates(n_drafts) -> list[float]:
 
 
 def prediction_rows(config, bits: int, memories: dict, latencies: dict, ranks=(1, 2, 4, 8),
-                    n_drafts=range(1, 6), context: int = 1024) -> list[dict]:
+                    n_drafts=range(1, 6), context: int | None = None, measured_on: dict | None = None) -> list[dict]:
     """The N-machine cost model (`throughput.parallel_predictions`) at each memory (name -> `published.Memory`)
     and per-layer all_sum latency (name -> seconds): one row per (memory, link, N) with plain tok/s, the best
     n_draft, its tok/s and its speedup over plain decoding at that N. The head in bf16, as every prediction of
     the book assumes (`throughput.HEAD_BITS`); one rank per machine, each of that memory's bandwidth; no fixed
-    cost per pass beyond the all_sums."""
+    cost per pass beyond the all_sums. `context`: chapter 6's `throughput.DEFAULT_CONTEXT` unless given.
+    `measured_on`: link name -> the memory whose machines the latency was measured between; a row pricing that
+    latency at another memory says so in its "latency from" cell (an assumption, not a measurement)."""
     from ..sizes import sizes
-    from .throughput import HEAD_BITS, Machine, parallel_predictions
+    from .throughput import DEFAULT_CONTEXT, HEAD_BITS, Machine, parallel_predictions
+
+    context = DEFAULT_CONTEXT if context is None else context
+    measured_on = measured_on or {}
 
     n_drafts = list(n_drafts)
     report = sizes(config, bits, mtp_bits=HEAD_BITS)
@@ -233,11 +240,16 @@ def prediction_rows(config, bits: int, memories: dict, latencies: dict, ranks=(1
         machine = Machine(memory.bandwidth)
         for link, seconds in latencies.items():
             table = parallel_predictions(config, report, rates, machine, seconds, ranks, n_drafts, context)
+            on = measured_on.get(link)
+            source = (f"published, measured between {on}s" if on == mem_name else
+                      f"{MEASURED_ON.get(on, on)} latency applied to {mem_name} bandwidth (an assumption)"
+                      if on else "-")
             for n in ranks:
                 at = [r for r in table if r["ranks"] == n]
                 plain = next(r for r in at if r["n_draft"] == 1)
                 best = next(r for r in at if r["best"])
                 rows.append({"memory": mem_name, "GB/s": memory.bandwidth / GB, "link": link,
+                             "latency from": source, "assumed": bool(on) and on != mem_name,
                              "all_sum us": seconds * 1e6, "ranks": n,
                              "plain tok/s": plain["tokens_per_second"], "best n_draft": best["n_draft"],
                              "best tok/s": best["tokens_per_second"], "MTP speedup": best["speedup_vs_plain"],
@@ -246,14 +258,20 @@ def prediction_rows(config, bits: int, memories: dict, latencies: dict, ranks=(1
 
 
 NO_LATENCY = "no latency (a bound)"
+HERE = "this host"  # `measured_on` of the loopback latency: not a link between machines
+MEASURED_ON = {"M3 Ultra": "Mac link", HERE: "this host's loopback"}  # how a row names where its latency is from
 
 
 def verdicts(rows: list[dict], bound: str = NO_LATENCY) -> dict:
     """What the rows say, for the prose. With the `bound` link (no all_sum latency at all) apart from the
     real links: MTP's best speedup and best n_draft on one machine and on the most machines, with no latency
     and over the real links; on how many (memory, link) pairs of the real links the speedup grows with N;
-    whether plain decoding on N > 1 machines is slower than on one everywhere over the real links; and
-    `faster`, a sentence naming where the best of N > 1 machines beats one machine's best over a real link."""
+    whether plain decoding on N > 1 machines is slower than on one everywhere over the real links
+    (`plain_slower`) and faster everywhere with no latency (`plain_free_faster`); in how many rows of N > 1
+    machines over the real links the best tok/s is below one machine's (`best_slower` of `several`); the best
+    tok/s on N > 1 machines over the slowest link (a published one if any) at the first memory against one
+    machine's (`slow_*`); and `faster`, a sentence naming where the best of N > 1 machines beats one machine's
+    best over a real link, with the row's "latency from" where that latency is assumed."""
     one = {r["memory"]: r for r in rows if r["ranks"] == 1}
     most = max(r["ranks"] for r in rows)
     real = [r for r in rows if r["link"] != bound]
@@ -263,18 +281,33 @@ def verdicts(rows: list[dict], bound: str = NO_LATENCY) -> dict:
     grows = sum(1 for r in many if r["MTP speedup"] > one[r["memory"]]["MTP speedup"])
     faster = [r for r in real if r["ranks"] > 1 and r["best tok/s"] > one[r["memory"]]["best tok/s"]]
     if faster:
-        where = sorted({(r["link"], r["memory"]) for r in faster})
+        where = sorted({(r["link"], r["memory"], r.get("assumed", False), r.get("latency from", ""))
+                        for r in faster})
         cases = "; ".join(
             f"over {link} at {memory}'s bandwidth on "
             + _and([str(r["ranks"]) for r in faster if (r["link"], r["memory"]) == (link, memory)])
-            + " machines" for link, memory in where)
+            + " machines" + (f" ({label.replace(' (an assumption)', ': an assumption')})" if assumed else "")
+            for link, memory, assumed, label in where)
         most_over = max(r["best tok/s"] / one[r["memory"]]["best tok/s"] for r in faster)
-        sentence = (f"The best of several machines beats one machine's best only {cases} (at most "
-                    f"{most_over:.2f} times)")
+        sentence = (f"The best of several machines beats one machine's best only {cases}, by at most "
+                    f"{most_over:.2f} times")
     else:
         sentence = "The best of several machines never beats one machine's best over these links"
+    several = [r for r in real if r["ranks"] > 1]
+    published_rows = [r for r in real if r.get("latency from", "").startswith("published")]
+    slowest = max(published_rows or real, key=lambda r: r["all_sum us"])["link"]  # a published link if any
+    first = rows[0]["memory"]
+    worst = [r for r in several if r["link"] == slowest and r["memory"] == first]
+    free_many = [r for r in rows if r["link"] == bound and r["ranks"] > 1]
     return {
         "most": most, "pairs": len(pairs), "grows": grows,
+        "best_slower": sum(1 for r in several if r["best tok/s"] < one[r["memory"]]["best tok/s"]),
+        "several": len(several),
+        "slow_link": slowest, "slow_memory": first,
+        "slow_best_many": max(r["best tok/s"] for r in worst) if worst else float("nan"),
+        "slow_best_one": one[first]["best tok/s"], "slow_plain_one": one[first]["plain tok/s"],
+        "plain_free_faster": bool(free_many) and all(
+            r["plain tok/s"] > one[r["memory"]]["plain tok/s"] for r in free_many),
         "speedup_one": max(r["MTP speedup"] for r in one.values()),
         "n_one": max(r["best n_draft"] for r in one.values()),
         "speedup_free": max(r["MTP speedup"] for r in free) if free else float("nan"),

@@ -195,8 +195,8 @@ FIELD = (
 # ---- links between machines: the latency of one small all_sum (chapter 9's cost model) --------------------------
 @dataclass(frozen=True)
 class Link:
-    """A published latency of one small message between two machines, as the source states it. `bound`:
-    "at most" where the source gives an upper bound ("< 50 us"), "about" where it gives a round figure."""
+    """A published latency of one transfer between two machines (`measured_on` names which), as the source states
+    it. `bound`: "at most" where the source gives an upper bound ("< 50 us"), "about" where it gives a round figure."""
 
     key: str
     name: str
@@ -206,16 +206,20 @@ class Link:
     url: str
     checked: bool
     where: str
+    measured_on: str = "M3 Ultra"  # the machines (a `Memory` name of chapter 9) the latency was measured between
 
 
 LINKS = (
     Link("rdma_thunderbolt5", "RDMA over Thunderbolt 5 (MLX's JACCL backend)", 50e-6, "at most", "geerling2025rdma",
          "https://www.jeffgeerling.com/blog/2025/15-tb-vram-on-mac-studio-rdma-over-thunderbolt-5", True,
-         "blog post of 2025-12-18, introduction: RDMA lowers memory access latency \"from 300us down to < 50us\" "
-         "on four M3 Ultra Mac Studios (read in the archive.is copy of the page)"),
+         "blog post of 2025-12-18, introduction: RDMA over Thunderbolt 5 cuts the latency of a transfer between "
+         "the machines \"from 300us down to < 50us\", on four M3 Ultra Mac "
+         "Studios (read in the archive.is copy of the page); used here as the latency of one all_sum per MoE "
+         "layer, between Macs only"),
     Link("tcp_between_macs", "TCP between Macs (before RDMA)", 300e-6, "about", "geerling2025rdma",
          "https://www.jeffgeerling.com/blog/2025/15-tb-vram-on-mac-studio-rdma-over-thunderbolt-5", True,
-         "the same sentence: the latency RDMA replaces, TCP/IP between the Macs"),
+         "the same sentence: the latency of a transfer between the same Macs over TCP/IP, which RDMA replaces; "
+         "used here as the latency of one all_sum per MoE layer, between Macs only"),
 )
 
 
