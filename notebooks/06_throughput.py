@@ -703,9 +703,11 @@ glue(
 # products unpacks and multiplies every weight once for every row of activations, so the work, not the
 # reading, sets the pace, and a verify pass over n tokens does nearly n times the work of one. On a GPU or an
 # APU decoding from unified memory (the machines of the published measurements in {doc}`08_claims`) the same
-# product reads each weight once for all n rows while its arithmetic units wait for memory: a pass's time
-# follows its bytes, a verify pass over two tokens costs about {glue:text}`real_v2_bytes:.2f`x a plain pass
-# rather than {glue:text}`real_v2_time:.2f`x, and the prediction of the earlier sections applies. The same
+# product reads each weight once for all n rows while its arithmetic units wait for memory: what a wider
+# pass adds follows the bytes it adds, a verify pass over two tokens should cost about
+# {glue:text}`real_v2_bytes:.2f`x a plain pass rather than {glue:text}`real_v2_time:.2f`x, and the
+# prediction of the earlier sections applies (a fixed cost per pass, which the published engines do show,
+# moves it as the section on fixed costs says; {doc}`08_claims` compares it with their runs). The same
 # head and the same drafts can answer "does MTP pay?" differently on the two kinds of machine, because each
 # waits for a different resource.
 

@@ -342,8 +342,9 @@ Markdown(
 # prompt adds is attention's arithmetic over the context, once for every token a verify pass holds: a cost
 # the memory-bound model does not count. With several requests batched, vllm-mlx switches MTP off altogether
 # {cite:p}`vllmmlx245`: a batch already gives every pass several tokens, which is all that drafting would add.
-# The speedup claim is therefore what the field shows on GPUs and APUs whose passes follow their bytes; this
-# CPU, at the real widths, is not such a machine.
+# The speedup claim is therefore a claim about GPUs and APUs, where a wider pass adds about what its bytes
+# add even when, as the table shows, a plain pass takes longer than its bytes alone; this CPU, at the real
+# widths, is not such a machine.
 #
 # ## Measured outside this build: acceptance on the bundled model
 #
