@@ -244,7 +244,7 @@ print(f"plain decoding: {live['alone']['plain_tokens_per_second']:.0f} tok/s alo
 # %% [markdown]
 # An `all_sum` per layer took {glue:text}`loopback_us:.0f` µs on loopback in the fastest of the chains
 # ({glue:text}`loopback_median_us:.0f` µs in the median one: the chains share the cores with everything
-# else this machine runs; the model below takes the fastest), and plain decoding ran at
+# else this machine runs), and plain decoding ran at
 # {glue:text}`ranks_tps:.0f` tokens/s on two ranks against {glue:text}`alone_tps:.0f` alone
 # ({glue:text}`tps_ratio:.2f` times). That difference is not a network's: the two ranks share this machine's
 # two cores and its memory bandwidth, so each waits for the other's turn on the cores at every
@@ -257,14 +257,16 @@ print(f"plain decoding: {live['alone']['plain_tokens_per_second']:.0f} tok/s alo
 #
 # Section 5 of `qmtp.book.throughput` prices a pass over n tokens on N machines as the busiest rank's
 # bytes (everything replicated, plus its share of the union of the pass's experts) over the memory
-# bandwidth, plus one `all_sum` per MoE layer. The latency of that `all_sum` is the link's: loopback as
-# measured above, and two figures {cite:t}`geerling2025rdma` published for four M3 Ultra Mac Studios:
+# bandwidth, plus one `all_sum` per MoE layer. The latency of that `all_sum` is the link's: two figures
+# {cite:t}`geerling2025rdma` published for four M3 Ultra Mac Studios. This host's loopback, measured above,
+# is listed beside them but not priced: it is two processes on one host, not a link between machines, and
+# on a shared machine it swings with the load by more than the links differ.
 
 # %%
-links = {beyond.NO_LATENCY: 0.0, "loopback (measured here)": loopback}
+links = {beyond.NO_LATENCY: 0.0}
 links.update({k.name: k.seconds for k in published.LINKS})
 here = f"{loopback * 1e6:.0f} us"
-rows = [{"link": "loopback", "latency": here, "source": "measured in this run"}]
+rows = [{"link": "loopback (not priced)", "latency": here, "source": "measured in this run"}]
 for k in published.LINKS:
     us = f"{k.bound} {k.seconds * 1e6:.0f} us"
     rows.append({"link": k.name, "latency": us, "source": f"{{cite:t}}`{k.source}`"})
@@ -278,20 +280,18 @@ for k in published.LINKS:
 # transfer between two of its Macs, which the model takes as the latency of one `all_sum` per MoE layer
 # (published figures, not measured here; the RDMA figure is the source's upper bound, so the model's RDMA
 # rows are its worst case). No published latency for 10 GbE was found with a source that could be cited;
-# TCP over 10 GbE is priced by the TCP row. A fourth row, with no latency at all, is the bound that
+# TCP over 10 GbE is priced by the TCP row. A third row, with no latency at all, is the bound that
 # separates what the experts' split does from what the links do. Each machine is given the memory
 # bandwidth of an M3 Ultra or a Strix Halo (`qmtp.book.published`, from the vendors' bus widths and
 # transfer rates), one rank per machine, the 35B-A3B at 4 bits with its head in bf16,
 # {glue:text}`context` tokens of context as in {doc}`06_throughput`, and, as there,
 # {glue:text}`reported_acceptance`. No published latency between Strix Halo machines was found: the
 # Strix Halo rows over RDMA and TCP are Mac link latencies applied to Strix Halo bandwidth, an
-# assumption, and the column "latency from" says so on each of them, as it does on the loopback rows,
-# whose latency is this host's and not a link's between machines.
+# assumption, and the column "latency from" says so on each of them.
 
 # %%
 memories = {"M3 Ultra": published.M3_ULTRA, "Strix Halo": published.STRIX_HALO}
 measured_on = {k.name: k.measured_on for k in published.LINKS}
-measured_on["loopback (measured here)"] = beyond.HERE
 predicted = beyond.prediction_rows(REAL, 4, memories, links, measured_on=measured_on)
 glue("reported_acceptance", throughput.reported_acceptance(), display=False)
 glue("context", throughput.DEFAULT_CONTEXT, display=False)
