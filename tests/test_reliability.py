@@ -673,6 +673,9 @@ def test_a_terminated_conversion_leaves_nothing(tmp_path, tokenizer, signum):
         pytest.skip("the conversion finished before it could be interrupted")
     proc.send_signal(signum)
     err = proc.communicate(timeout=30)[1]
+    if proc.returncode == 0:  # it finished between the poll and the signal: then it must be whole, nothing else left
+        assert [p.name for p in work.iterdir()] == ["out"] and "Traceback" not in err, err
+        pytest.skip("the conversion finished before the signal arrived")
     assert proc.returncode == 128 + signum and "Traceback" not in err, err
     assert list(work.iterdir()) == []
 
