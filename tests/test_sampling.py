@@ -11,22 +11,8 @@ import pytest
 import qmtp
 from qmtp import Sampling
 from qmtp.errors import UsageError
-from qmtp.tiny import synthetic
 
-from test_speculative import chi_square_p_value
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    """Four tokens: every 3-token continuation is enumerable, and random drafts are often accepted."""
-    config = synthetic.small_config(vocab_size=4)
-    return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v4"), config, dtype="F32", seed=11))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    config = synthetic.small_config()
-    return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v97"), config, dtype="F32", seed=5))
+from test_speculative import chi_square_p_value, model, small_vocab_model  # noqa: F401 (fixtures)
 
 
 # ---- an independent reference of the processing -----------------------------------------------------------
