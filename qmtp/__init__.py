@@ -30,8 +30,9 @@ __all__ = [
 ]
 
 from .sampling import Sampling  # noqa: E402
-from .speculative import Generation, Stats, generate  # noqa: E402
+from .options import Engine, Settings  # noqa: E402
+from .speculative import Generation, Stats, decode, generate  # noqa: E402
 from .prefix_cache import PrefixCache  # noqa: E402
 from .conversation import Conversation  # noqa: E402
 
-__all__ += ["Conversation", "Generation", "PrefixCache", "Sampling", "Stats", "generate"]
+__all__ += ["Conversation", "Engine", "Generation", "PrefixCache", "Sampling", "Settings", "Stats", "decode", "generate"]

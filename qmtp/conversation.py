@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-
-import numpy as np
+from dataclasses import replace
 
 from . import chat
 from .errors import UsageError
 from .model import Model
+from .options import SEEDS, Settings
 from .prefix_cache import PrefixCache, common_prefix
 from .sampling import Sampling
-from .sampling import resolve as resolve_sampling
-from .speculative import MAX_N_DRAFT, Generation, _check_types, _prompt_tokens, _stop_strings, generate
-
-SEEDS = 2**64  # MLX's random keys take 64 bits: seed + n wraps around
+from .speculative import Generation, _prompt_tokens, decode
 
 
 class Conversation:
@@ -75,24 +72,13 @@ class Conversation:
                 raise UsageError(f"chat_template_kwargs: give a dict of the template's variables, not "
                                  f"{type(chat_template_kwargs).__name__}")
         # the settings are checked now, not at the first message
-        _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
-        if n_draft != "auto" and not 1 <= n_draft <= MAX_N_DRAFT:
-            raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
-        if n_draft != 1:
-            model.require_head()
-        _stop_strings(model, stop)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEEDS:
-            raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
-        resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                         repetition_penalty=repetition_penalty)
+        settings = Settings.of(max_tokens, n_draft, seed, stop, stop_at_eos, sampling, temperature, top_k, top_p,
+                               min_p, presence_penalty, frequency_penalty, repetition_penalty)
+        settings.check_for(model)
         self.model, self.raw, self.seed = model, raw, int(seed)
         self.system, self.enable_thinking = system, enable_thinking
         self.template_kwargs = dict(chat_template_kwargs or {})
-        self.settings = dict(max_tokens=max_tokens, n_draft=n_draft, stop=stop, stop_at_eos=stop_at_eos,
-                             sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                             repetition_penalty=repetition_penalty)
+        self.settings = settings  # seeded per turn: see `send`
         self.cache = PrefixCache()
         self._sending = threading.Lock()
         self.reset()
@@ -131,8 +117,8 @@ class Conversation:
             seed = (self.seed + self.turns) % SEEDS
             if self.raw:
                 ids = self._prompt_ids(message)
-                g = generate(self.model, ids, prefix_cache=self.cache, on_tokens=on_tokens, seed=seed,
-                             **self.settings)
+                g = decode(self.model, ids, replace(self.settings, seed=seed), prefix_cache=self.cache,
+                           on_tokens=on_tokens)
                 self._tokens = ids + g.tokens
             else:
                 messages = self._with(message)
@@ -141,8 +127,8 @@ class Conversation:
                 # where the generation prompt starts: the next turn's history parts from this one there or later
                 history = self.model.tokenizer.encode(self._render(messages, add_generation_prompt=False))
                 self.cache.mark(common_prefix(history, ids))
-                g = generate(self.model, ids, prefix_cache=self.cache, on_tokens=on_tokens, seed=seed,
-                             **self.settings)
+                g = decode(self.model, ids, replace(self.settings, seed=seed), prefix_cache=self.cache,
+                           on_tokens=on_tokens)
                 thinking, answer = chat.split_thinking(g.text, chat.opens_thinking(text))
                 reply = {"role": "assistant", "content": answer}
                 if thinking:

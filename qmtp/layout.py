@@ -120,7 +120,7 @@ _FUSED_LINEAR = re.compile(r"^(?P<attn>.*\.linear_attn)\.in_proj_(?P<which>qkvz|
 def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
     """Map every stored tensor to internal names without reading any tensor data."""
     recipes: dict[str, Recipe] = {}
-    skipped, unknown, beyond = [], [], []
+    skipped, beyond = [], []
     stored_layers = 0
     per_expert: dict[tuple[str, str], dict[int, str]] = {}
     inter = config.moe_intermediate_size
@@ -185,6 +185,17 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
         else:
             put(key(name), Recipe("copy", (stored,)))
 
+    _stack_experts(ckpt, config, per_expert, recipes)
+    known = expected_shapes(config, head=True)
+    unknown = [recipes.pop(name).sources[0] for name in list(recipes) if weight_name(name) not in known]
+    head_present = any(n.startswith("mtp.") for n in recipes)
+    head_experts = all(n in recipes for n in head_routed_expert_names())
+    return Plan(recipes, skipped, unknown, head_present, head_present and head_experts, beyond, stored_layers)
+
+
+def _stack_experts(ckpt: Checkpoint, config: ModelConfig, per_expert: dict, recipes: dict[str, Recipe]) -> None:
+    """Experts stored one tensor each become one stacked recipe per projection: all of them, or an error naming
+    which are missing (IncompleteHeadError for the head's)."""
     for (mlp, proj, part), by_index in per_expert.items():
         internal = f"{mlp}.experts.{proj}_proj{part}"
         if internal in recipes:  # fused (or stacked) experts beside one-by-one ones: refused before counting them
@@ -198,14 +209,6 @@ def plan(ckpt: Checkpoint, config: ModelConfig) -> Plan:
                 f"(missing e.g. experts {missing})"
             )
         recipes[internal] = Recipe("stack", tuple(by_index[e] for e in range(config.num_experts)))
-
-    known = expected_shapes(config, head=True)
-    for name in list(recipes):
-        if weight_name(name) not in known:
-            unknown.append(recipes.pop(name).sources[0])
-    head_present = any(n.startswith("mtp.") for n in recipes)
-    head_experts = all(n in recipes for n in head_routed_expert_names())
-    return Plan(recipes, skipped, unknown, head_present, head_present and head_experts, beyond, stored_layers)
 
 
 def _index(ckpt: Checkpoint, stored: str, text: str, what: str) -> int:

@@ -18,7 +18,6 @@ decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculativ
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import os
 import time
@@ -34,12 +33,9 @@ from . import adaptive, chat, decoding, parallel
 from .adaptive import DraftPlanner
 from .decoding import Greedy, Rejection
 from .model import COMPILE, Model, release_at_thread_exit
-from .mtp import MTPHead
+from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .prefix_cache import PrefixCache, Resume
 from .sampling import Sampling
-from .sampling import resolve as resolve_sampling
-
-MAX_N_DRAFT = 8
 
 
 @dataclass
@@ -137,31 +133,11 @@ class Generation:
     finish_reason: str = "length"  # "end" (an end id), "stop" (a stop string) or "length" (max_tokens)
 
 
-def _check_types(max_tokens, n_draft, temperature) -> None:
-    """Wrong types are usage errors too (MLX and range checks would raise a bare TypeError on them)."""
-    for name, value in (("max_tokens", max_tokens), ("n_draft", n_draft)):
-        if name == "n_draft" and value == "auto":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise UsageError(f"{name}={value!r:.40} must be an integer" + (" or 'auto'" if name == "n_draft" else ""))
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
-        raise UsageError(f"temperature={temperature!r:.40} must be a number")
-
-
-def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: int, temperature: float, seed,
-              head):
-    if not 1 <= n_draft <= MAX_N_DRAFT:
-        raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
-    if n_draft > 1 and head is None:
-        model.require_head()
+def _validate(model: Model, prompt_tokens: list[int], settings: Settings) -> None:
+    """What depends on the prompt: its ids within the vocabulary, and it with the new tokens within the context."""
     if not prompt_tokens:
         raise UsageError("the prompt is empty: give at least one token of text")
-    if max_tokens < 1:
-        raise UsageError(f"max_tokens={max_tokens} must be at least 1")
-    if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails every comparison
-        raise UsageError(f"temperature={temperature} must be a finite number >= 0")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-        raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
+    max_tokens, n_draft = settings.max_tokens, settings.widest
     vocab = model.config.vocab_size
     outside = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
     if outside is not None:  # MLX does not bounds-check an embedding lookup: garbage, or a crash
@@ -189,6 +165,8 @@ def _validate(model: Model, prompt_tokens: list[int], max_tokens: int, n_draft: 
             f"prompt of {len(prompt_tokens)} tokens + {max_tokens} new ones{drafts} is {needed} positions, more "
             f"than the context of {limit}: ask for at most {max_tokens - (needed - limit)} new tokens"
         )
+
+
 
 
 class ExpertRecorder:
@@ -266,19 +244,6 @@ def _chat_prompt(model: Model, prompt, messages, enable_thinking, chat_template_
                                                tokenize=True, **(chat_template_kwargs or {}))
 
 
-def _stop_strings(model: Model, stop) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else stop
-    if isinstance(stops, (bytes, Mapping, Set)) or not isinstance(stops, (list, tuple)):
-        raise UsageError(f"stop={stop!r:.40}: give a string or a list of strings")
-    if not all(isinstance(s, str) and s for s in stops):
-        raise UsageError(f"stop={stop!r:.60}: every stop string must be non-empty text")
-    if stops and model.tokenizer is None:
-        raise UsageError("stop strings are matched in the decoded text, and this model has no tokenizer")
-    return tuple(stops)
-
-
 def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
     """Where the first stop string in `text` begins (searching from `start`), or -1."""
     found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
@@ -302,37 +267,13 @@ def _one_call_at_a_time(generate):
 
 
 @_one_call_at_a_time
-def generate(
-    model: Model,
-    prompt=None,
-    max_tokens: int = 64,
-    n_draft: int = 1,
-    temperature: float | None = None,
-    seed: int = 0,
-    head=None,
-    hidden: str = "post",
-    head_cache: str = "keep",
-    chain: str = "post",
-    rollback: str = "record",
-    track_experts: bool = True,
-    stop_at_eos: bool = True,
-    timer: PhaseTimer | None = None,
-    compiled: bool = True,
-    queue_ahead: bool = True,
-    on_tokens=None,
-    messages=None,
-    enable_thinking: bool | None = None,
-    chat_template_kwargs: dict | None = None,
-    stop=None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    sampling: Sampling | str | None = None,
-    prefix_cache: PrefixCache | None = None,
-) -> Generation:
+def generate(model: Model, prompt=None, max_tokens: int = 64, n_draft: int | str = 1, temperature: float | None = None,
+             seed: int = 0, *, messages=None, enable_thinking: bool | None = None,
+             chat_template_kwargs: dict | None = None, stop=None, stop_at_eos: bool = True,
+             sampling: Sampling | str | None = None, top_k: int | None = None, top_p: float | None = None,
+             min_p: float | None = None, presence_penalty: float | None = None,
+             frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+             prefix_cache: PrefixCache | None = None, on_tokens=None, engine: Engine = DEFAULT_ENGINE) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt` (text, or a list of token ids), or after `messages`
     rendered by the model's chat template.
 
@@ -341,10 +282,22 @@ def generate(
 
     Args:
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
-            the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
+            the reference engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
-        temperature: 0 (the default) for greedy; otherwise rejection sampling keeps exactly the trunk's
-            distribution, processed as below.
+        temperature: 0 (the default) for greedy; otherwise the tokens have exactly the trunk's distribution,
+            processed as below.
+        seed: the sampler's seed.
+        messages: a conversation ([{"role": "user", "content": ...}, ...]) instead of `prompt`: the prompt is
+            `model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
+        enable_thinking: for `messages`: None leaves it to the template (Qwen: thinking on), False asks the
+            template for no thinking. `chat_template_kwargs`: `apply_chat_template`'s other arguments (`tools`,
+            Qwen3.6's `preserve_thinking=True`, ...). `qmtp.chat.split_thinking` cuts the reply into thinking
+            and answer.
+        stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
+        stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
+        sampling: the sampler in one argument: None (greedy, no penalty), "model" (the checkpoint's
+            generation_config.json: temperature, top_k, top_p, ... as its card recommends), or a
+            `qmtp.Sampling`; the keyword arguments below, where given, replace its fields.
         top_k, top_p, min_p: filters after the temperature: the k most likely tokens (0: all), the smallest
             set of most likely tokens whose probability reaches p (1: all), the tokens at least min_p times as
             likely as the most likely (0: all). Greedy decoding is unchanged by them.
@@ -355,98 +308,77 @@ def generate(
             its logit divided by the penalty when positive, multiplied when negative (1: none).
             The penalties apply before the temperature, also when greedy (the argmax of the penalised
             logits), each position seeing the tokens before it, drafts included (`qmtp.sampling`).
-        sampling: the settings in one argument: None (greedy, no penalty), "model" (the checkpoint's
-            generation_config.json: temperature, top_k, top_p, ... as its card recommends), or a
-            `qmtp.Sampling`; the keyword arguments above, where given, replace its fields.
-        head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); default model.mtp.
-        hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre"
-            the state before it.
-        head_cache: "keep" keeps the head's KV cache across steps (vLLM, SGLang); "reset" empties it at
-            every step (lemon-mlx-engine), so the head attends only to the position it drafts from.
-        chain: "post" feeds a chained draft (n_draft >= 3) the head's own output after its final norm;
-            "pre" before it. All three change the drafts only: the tokens stay exactly the trunk's.
-        rollback: "record" keeps each position's linear-attention state during verification; "replay"
-            runs the accepted tokens again from the state before the pass.
-        timer: a `PhaseTimer` to add the decoding loop's phases to (profiling).
-        compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a
-            trace), or reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s
-            ablation). The tokens are the same.
-        on_tokens: called with each step's new output tokens as soon as the host has them (streaming; a
-            step's tokens past `max_tokens`, an end id or the token completing a stop string are not passed).
-        messages: a conversation ([{"role": "user", "content": ...}, ...]) instead of `prompt`: the prompt is
-            `model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
-        enable_thinking: for `messages`: None leaves it to the template (Qwen: thinking on), False asks the
-            template for no thinking. `chat_template_kwargs`: `apply_chat_template`'s other arguments (`tools`,
-            Qwen3.6's `preserve_thinking=True`, ...). `qmtp.chat.split_thinking` cuts the reply into thinking
-            and answer.
-        stop: a string or list of strings: generation ends once the text holds one; `text` ends before it.
-        stop_at_eos: False ignores the end ids (and generates `max_tokens` tokens unless a stop string ends it).
         prefix_cache: a `qmtp.PrefixCache`: the generation starts from the state the last one with this cache
             left, prefilling only the prompt's tokens after the longest prefix it shares with the ids that
             state holds (`Stats.prefilled_tokens`), and leaves its own state there (`qmtp.Conversation` uses
             it). The tokens are those of a generation without it.
+        on_tokens: called with each step's new output tokens as soon as the host has them (streaming; a
+            step's tokens past `max_tokens`, an end id or the token completing a stop string are not passed).
+        engine: how the loop runs (`qmtp.Engine`: the book's ablations); every choice gives the same tokens.
     """
     called = time.perf_counter()
     prompt_tokens = _chat_prompt(model, prompt, messages, enable_thinking, chat_template_kwargs)
-    stops = _stop_strings(model, stop)
-    _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
-    settings = resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                repetition_penalty=repetition_penalty)
-    temperature = settings.temperature
-    # numpy integers are integers: as Python ints from here (range checks, bit_length, MLX's arguments)
-    max_tokens, n_draft = int(max_tokens), (n_draft if isinstance(n_draft, str) else int(n_draft))
+    settings = Settings.of(max_tokens, n_draft, seed, stop, stop_at_eos, sampling, temperature, top_k, top_p, min_p,
+                           presence_penalty, frequency_penalty, repetition_penalty)
+    return decode(model, prompt_tokens, settings, engine, prefix_cache, on_tokens, called)
+
+
+@_one_call_at_a_time
+def decode(model: Model, prompt_tokens: list[int], settings: Settings, engine: Engine = DEFAULT_ENGINE,
+           prefix_cache: PrefixCache | None = None, on_tokens=None, called: float | None = None) -> Generation:
+    """`generate` after the prompt's ids are known, its settings in one value (`qmtp.Settings`): what every
+    decoding entry point calls. `called`: when the call started (the statistics' clock), default now."""
+    called = time.perf_counter() if called is None else called
+    if not isinstance(settings, Settings):
+        raise UsageError(f"settings: give a qmtp.Settings (Settings.of(...)), not {type(settings).__name__}")
+    if not isinstance(engine, Engine):
+        raise UsageError(f"engine: give a qmtp.Engine (Engine(compiled=False, ...)), not {type(engine).__name__}")
     if on_tokens is not None and not callable(on_tokens):  # else found only after the prefill
         raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
-    if head is not None and not isinstance(head, MTPHead):
-        raise UsageError(f"head: give an MTP head (e.g. qmtp.mtp.without_routed_experts(model.mtp)), not "
-                         f"{type(head).__name__}")
-    if hidden not in ("post", "pre"):
-        raise UsageError(f"hidden={hidden!r}: use 'post' (after the final norm) or 'pre'")
-    if head_cache not in decoding.HEAD_CACHES:
-        raise UsageError(f"head_cache={head_cache!r}: use 'keep' or 'reset'")
-    if chain not in decoding.CHAINS:
-        raise UsageError(f"chain={chain!r}: use 'post' (after the head's final norm) or 'pre'")
-    if rollback not in ("record", "replay"):
-        raise UsageError(f"rollback={rollback!r}: use 'record' or 'replay'")
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise UsageError(f"prefix_cache: give a qmtp.PrefixCache (or None), not {type(prefix_cache).__name__}")
-    drafter = head if head is not None else model.mtp
-    widest = max(adaptive.WIDTHS) if n_draft == "auto" else n_draft
-    _validate(model, prompt_tokens, max_tokens, widest, temperature, seed, drafter if widest > 1 else None)
-    seed = int(seed)
-    eos = chat.end_ids(model) if stop_at_eos else frozenset()
-    k = widest - 1
-    stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
-    recorder = ExpertRecorder() if track_experts else None
-    strategy = decoding.strategy_for(settings)
-    planner = None
+    sampler = settings.check_for(model)
+    _validate(model, prompt_tokens, settings)
+    drafter, widest = engine.drafter(model), settings.widest
+    eos = chat.end_ids(model) if settings.stop_at_eos else frozenset()
+    stats = Stats(n_draft=settings.n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * (widest - 1),
+                  accepted=[0] * (widest - 1))
+    recorder = ExpertRecorder() if engine.track_experts else None
+    strategy = decoding.strategy_for(sampler)
+    n_draft, learned = settings.n_draft, None
     if n_draft == "auto":
-        # the acceptance counted and the step costs timed by the last generations with this drafter and these
-        # settings are where this one starts (nothing is timed before the first token)
-        carried = model.__dict__.setdefault("_draft_counts", {})
-        proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
-        costs = model.__dict__.setdefault("_step_costs", {}).setdefault(
-            (id(drafter), strategy.key, hidden, rollback, head_cache, chain), adaptive.StepCosts())
-        n_draft = planner = DraftPlanner(learned=costs, proposed=proposed, accepted=accepted)
-
-    resume = prefix_cache.resume(model, drafter if widest > 1 else None, hidden, prompt_tokens) \
+        n_draft, learned = _planner(model, drafter, strategy, engine)
+    resume = prefix_cache.resume(model, drafter if widest > 1 else None, engine.hidden, prompt_tokens) \
         if prefix_cache is not None else None
     stats.prefilled_tokens = len(prompt_tokens) - (resume.position if resume is not None else 0)
-    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, hidden, rollback, max_tokens, eos, seed,
-                         timer or _untimed, compiled, queue_ahead, drafting=(head_cache, chain), resume=resume,
+    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, engine.hidden, engine.rollback,
+                         settings.max_tokens, eos, settings.seed, engine.timer or _untimed, engine.compiled,
+                         engine.queue_ahead, drafting=(engine.head_cache, engine.chain), resume=resume,
                          cache=prefix_cache)
     try:
-        generation = _collect(model, steps, prompt_tokens, max_tokens, eos, stops, on_tokens, stats, recorder, called)
+        generation = _collect(model, steps, prompt_tokens, settings.max_tokens, eos, settings.stop, on_tokens, stats,
+                              recorder, called)
     except BaseException:  # a state cut short (an error, Ctrl-C) is not kept: the next call prefills anew
         if prefix_cache is not None:
             prefix_cache.clear()
         raise
-    if planner is not None:
-        carried[(id(drafter), strategy.key)] = (planner.proposed, planner.accepted)
+    if learned is not None:
+        learned[(id(drafter), strategy.key)] = (n_draft.proposed, n_draft.accepted)
     if prefix_cache is not None:
         prefix_cache.settle(prompt_tokens)
     return generation
+
+
+def _planner(model: Model, drafter, strategy, engine: Engine):
+    """For n_draft="auto": a planner that starts from the acceptance counted and the step costs timed by the
+    last generations with this drafter and these settings (nothing is timed before the first token), and where
+    its counts go back when the generation ends."""
+    carried = model.__dict__.setdefault("_draft_counts", {})
+    proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
+    costs = model.__dict__.setdefault("_step_costs", {}).setdefault(
+        (id(drafter), strategy.key, engine.hidden, engine.rollback, engine.head_cache, engine.chain),
+        adaptive.StepCosts())
+    return DraftPlanner(learned=costs, proposed=proposed, accepted=accepted), carried
 
 
 def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos, stops, on_tokens, stats: Stats,

@@ -72,3 +72,106 @@ def test_importing_qmtp_and_its_command_line_loads_no_tooling():
 def test_every_module_lives_in_one_of_the_three_parts():
     folders = {p.parent.name for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     assert folders == {"qmtp", "tiny", "book"}
+
+
+# ---- no import cycle, no long function, the tiny model's tooling below the book's ------------------------------
+MAX_FUNCTION_LINES = 80  # from `def` to its last line, the docstring left out
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("qmtp",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """qmtp's modules -> the qmtp modules each imports anywhere in it (inside functions too). A package's
+    `__init__` is left out of the graph: `from . import x` names the package only as where x lives."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    modules = {name for name, p in paths.items() if p.name != "__init__.py"}
+    graph = {}
+    for name in sorted(modules):
+        path = paths[name]
+        imported = imported_modules(path.read_text(), package_of(path), top_level_only=False)
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_of_qmtp_imports_itself_in_a_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_circle_closed_inside_a_function():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    source = "def later():\n    from .throughput import x\n"
+    assert "qmtp.book.throughput" in imported_modules(source, "qmtp.book", top_level_only=False)
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """name -> lines, for every function (methods and nested ones included) longer than `limit` lines from
+    `def` to its last line, its docstring not counted."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                lines -= first.end_lineno - first.lineno + 1
+            if lines > limit:
+                found[node.name] = lines
+    return found
+
+
+def test_no_function_of_the_runtime_or_the_command_line_is_over_80_lines():
+    paths = runtime_modules() + sorted((PACKAGE / "cli").glob("*.py"))
+    offenders = {f"{p.relative_to(PACKAGE)}:{name}": n for p in paths
+                 for name, n in long_functions(p.read_text()).items()}
+    assert not offenders, offenders
+
+
+def test_the_length_check_counts_from_def_to_the_last_line_without_the_docstring():
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    doc = '    """one\n    two\n    """\n'
+    assert long_functions(f"def f():\n{doc}{body}") == {}  # 1 + 79 lines
+    assert long_functions(f"def f():\n{doc}{body}    x = 0\n") == {"f": 81}
+
+
+def test_the_tiny_models_tooling_never_imports_the_book():
+    offenders = {}
+    for path in sorted((PACKAGE / "tiny").glob("*.py")):
+        bad = sorted(m for m in imported_modules(path.read_text(), package_of(path), top_level_only=False)
+                     if m.startswith("qmtp.book"))
+        if bad:
+            offenders[path.name] = bad
+    assert not offenders, offenders

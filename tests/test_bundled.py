@@ -90,7 +90,8 @@ def test_the_chained_trained_head_drafts_deeper_than_the_one_it_replaced(model):
 def test_the_previous_head_drafts_losslessly(model):
     prompt = evaluate.heldout_prompts(model, 1)[0]
     plain = qmtp.generate(model, prompt, max_tokens=30).tokens
-    assert qmtp.generate(model, prompt, max_tokens=30, n_draft=4, head=evaluate.previous_head(model)).tokens == plain
+    assert qmtp.generate(model, prompt, max_tokens=30, n_draft=4,
+                         engine=qmtp.Engine(head=evaluate.previous_head(model))).tokens == plain
 
 
 # ---- its chat format (issue 26 item 6) ----------------------------------------------------------------------

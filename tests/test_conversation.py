@@ -1,6 +1,8 @@
 """A conversation keeps its decoding state between turns: each turn prefills only what its prompt adds to the
 ids the state holds, and its tokens are those of a fresh `generate` over the same ids."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -25,7 +27,7 @@ def model(tmp_path_factory):
 
 def fresh(model, g, conversation, turn):
     """What `generate` gives, without a kept state, over the ids turn `turn` generated after."""
-    return qmtp.generate(model, g.prompt_tokens, seed=conversation.seed + turn, **conversation.settings)
+    return qmtp.decode(model, g.prompt_tokens, replace(conversation.settings, seed=conversation.seed + turn))
 
 
 def generation_prompt_start(model, messages, **template) -> int:
@@ -79,8 +81,8 @@ def test_the_kept_state_holds_what_a_fresh_run_computes(model, thinking):
     for turn, text in enumerate(TURNS):
         g = conversation.send(text)
         cache = qmtp.PrefixCache()
-        qmtp.generate(model, g.prompt_tokens, prefix_cache=cache, seed=conversation.seed + turn,
-                      **conversation.settings)
+        qmtp.decode(model, g.prompt_tokens, replace(conversation.settings, seed=conversation.seed + turn),
+                    prefix_cache=cache)
         kept, fresh, n = conversation.cache.state, cache.state, len(g.prompt_tokens)
         for i, (layer, a, b) in enumerate(zip(model.layers, kept["layers"], fresh["layers"])):
             if layer.kind != LINEAR:

@@ -59,7 +59,7 @@ def test_one_worker_thread_exits_normally(reference, n_draft, compiled):
         out = {{}}
         def work():
             out[{n_draft}] = qmtp.generate(model, {PROMPT!r}, max_tokens=12, n_draft={n_draft},
-                                           compiled={compiled}).tokens
+                                           engine=qmtp.Engine(compiled={compiled})).tokens
         thread = threading.Thread(target=work)
         thread.start()
         thread.join()
@@ -161,8 +161,8 @@ CALLS = {
     "a path for a model": ("qmtp.generate(str(MODEL.path), PROMPT)", "qmtp.load(path)"),
     "a Path for a model": ("qmtp.generate(MODEL.path, PROMPT)", "qmtp.load(path)"),
     "on_tokens not callable": ("qmtp.generate(MODEL, PROMPT, on_tokens=5)", "on_tokens=5"),
-    "head a string": ("qmtp.generate(MODEL, PROMPT, n_draft=2, head='mtp')", "head: give an MTP head"),
-    "head the model": ("qmtp.generate(MODEL, PROMPT, n_draft=2, head=MODEL)", "not Model"),
+    "head a string": ("qmtp.generate(MODEL, PROMPT, n_draft=2, engine=qmtp.Engine(head='mtp'))", "head: give an MTP head"),
+    "head the model": ("qmtp.generate(MODEL, PROMPT, n_draft=2, engine=qmtp.Engine(head=MODEL))", "not Model"),
     "a prompt of booleans": ("qmtp.generate(MODEL, [True, False, True])", "not booleans"),
     "an iterator with a boolean": ("qmtp.generate(MODEL, iter([1, True]))", "not booleans"),
     "a numpy boolean array": ("qmtp.generate(MODEL, np.array([True, False]))", "not booleans"),

@@ -34,7 +34,8 @@ def test_greedy_speculative_equals_plain_greedy(small_vocab_model, n_draft, roll
     partial_accepts = 0
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=24, n_draft=1)
-        spec = qmtp.generate(small_vocab_model, prompt, max_tokens=24, n_draft=n_draft, rollback=rollback)
+        spec = qmtp.generate(small_vocab_model, prompt, max_tokens=24, n_draft=n_draft,
+                             engine=qmtp.Engine(rollback=rollback))
         assert spec.tokens == plain.tokens
         partial_accepts += sum(0 < s.accepted < len(s.drafts) for s in spec.stats.steps)
     if n_draft > 2:
@@ -145,8 +146,10 @@ def test_ablated_drafters_stay_lossless(small_vocab_model):
     assert heads["no routed experts"].layers[0].mlp.experts is None
     plain = qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20)
     for head in heads.values():
-        assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3, head=head).tokens == plain.tokens
-    assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3, hidden="pre").tokens == plain.tokens
+        assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3,
+                             engine=qmtp.Engine(head=head)).tokens == plain.tokens
+    assert qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=20, n_draft=3,
+                         engine=qmtp.Engine(hidden="pre")).tokens == plain.tokens
 
 
 def test_quantized_head_differs_from_bf16_head(small_vocab_model):
@@ -165,8 +168,8 @@ def test_the_loop_without_compiling_or_queueing_ahead_makes_the_same_tokens(smal
     for n_draft in (1, 3):
         for prompt in PROMPTS[:2]:
             lean = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft)
-            ablated = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft, compiled=compiled,
-                                    queue_ahead=queue_ahead)
+            ablated = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft,
+                                    engine=qmtp.Engine(compiled=compiled, queue_ahead=queue_ahead))
             assert ablated.tokens == lean.tokens and ablated.stats.widths == lean.stats.widths
 
 
@@ -323,7 +326,7 @@ def test_every_drafting_option_keeps_the_trunks_tokens(small_vocab_model, temper
         for opts in options:
             for n_draft in (2, 4):
                 g = qmtp.generate(small_vocab_model, prompt, max_tokens=20, n_draft=n_draft,
-                                  temperature=temperature, seed=3, **opts)
+                                  temperature=temperature, seed=3, engine=qmtp.Engine(**opts))
                 assert sum(g.stats.drafted) > 0
                 if temperature == 0:
                     assert g.tokens == plain.tokens, (opts, n_draft)
@@ -373,9 +376,9 @@ def test_drafting_options_are_checked(small_vocab_model):
     from qmtp.errors import UsageError
 
     with pytest.raises(UsageError, match="head_cache"):
-        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=2, head_cache="none")
+        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=2, engine=qmtp.Engine(head_cache="none"))
     with pytest.raises(UsageError, match="chain"):
-        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=3, chain="raw")
+        qmtp.generate(small_vocab_model, [1, 2], max_tokens=4, n_draft=3, engine=qmtp.Engine(chain="raw"))
 
 
 def test_pre_and_post_norm_inputs_differ_only_through_the_final_norms_weights(small_vocab_model):

@@ -82,9 +82,11 @@ def mlx_lm_twin(model: Model):
 
 
 def _qmtp_decode(model: Model, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    from ..options import Engine
     from ..speculative import generate
 
-    g = generate(model, prompt, max_tokens=max_tokens, n_draft=1, track_experts=False, stop_at_eos=False)
+    g = generate(model, prompt, max_tokens=max_tokens, n_draft=1, stop_at_eos=False,
+                 engine=Engine(track_experts=False))
     return g.tokens, g.stats.decode_seconds
 
 
@@ -365,19 +367,20 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     in the same rounds ("ablation": tok/s, and over the lean loop).
     """
     from ..errors import UsageError
+    from ..options import Engine
     from ..speculative import PhaseTimer, generate
 
     if not set(ablate) <= set(n_drafts):
         raise UsageError(f"ablate={sorted(ablate)}: ablate only n_drafts the bench runs ({min(n_drafts)}..{max(n_drafts)})")
     engines = {("qmtp", n): (lambda p, n=n, t=None: generate(model, p, max_tokens=max_tokens, n_draft=n,
-                                                              stop_at_eos=False, timer=t))
+                                                              stop_at_eos=False, engine=Engine(timer=t)))
                for n in n_drafts}
     if auto:
         engines[("qmtp", "auto")] = lambda p, t=None: generate(model, p, max_tokens=max_tokens, n_draft="auto",
-                                                                stop_at_eos=False, timer=t)
+                                                                stop_at_eos=False, engine=Engine(timer=t))
     for variant, settings in ABLATIONS.items():
         engines.update({(f"qmtp {variant}", n): (lambda p, n=n, t=None, s=settings: generate(
-            model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, **s)) for n in ablate})
+            model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, engine=Engine(**s))) for n in ablate})
     if peer is not None:
         engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
     # warm-up: the first passes of each shape trace and compile (auto's, as it first uses each width)

@@ -109,15 +109,17 @@ def prompts_from(texts: list[str], model: Model, n_tokens: int = 8) -> list[list
     return [[tok.eos_id] + tok.encode(text)[:n_tokens] for text in texts]
 
 
-def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48, **options) -> dict:
-    """Greedy speculative decoding over `prompts`; acceptance per draft position, pooled over prompts."""
+def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48, **engine) -> dict:
+    """Greedy speculative decoding over `prompts`; acceptance per draft position, pooled over prompts. `engine`:
+    the `qmtp.Engine` switches to run with (ENGINE_CHOICES)."""
+    from ..options import Engine
     from ..speculative import generate
 
     k = n_draft - 1
     drafted, accepted = [0] * k, [0] * k
     emitted = passes = 0
     for prompt in prompts:
-        stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n_draft, **options).stats
+        stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n_draft, engine=Engine(**engine)).stats
         drafted = [a + b for a, b in zip(drafted, stats.drafted)]
         accepted = [a + b for a, b in zip(accepted, stats.accepted)]
         emitted += sum(len(s.emitted) for s in stats.steps)
@@ -181,7 +183,7 @@ def chat_acceptance(model: Model, conversations: list[list[dict]], n_draft: int 
     return rows
 
 
-# The engines' drafting choices, as options of `qmtp.generate` (chapter 5 measures each): label -> options.
+# The engines' drafting choices, as `qmtp.Engine` switches (chapter 5 measures each): label -> switches.
 ENGINE_CHOICES = {
     "qmtp (cache kept, post-norm)": {},
     "cache reset each step": {"head_cache": "reset"},
@@ -279,6 +281,7 @@ def compare_heads(model: Model, heads: dict, prompts: list[list[int]], n_drafts=
     decode speed pooled over the runs; per n_draft, the median over (prompt, repeat) pairs of each head's
     speed over the first head's (the ratio the noise of single timings does not swamp).
     """
+    from ..options import Engine
     from ..speculative import generate
 
     labels = list(heads)
@@ -290,7 +293,8 @@ def compare_heads(model: Model, heads: dict, prompts: list[list[int]], n_drafts=
             for n in n_drafts:
                 speeds = {}
                 for label in labels:
-                    stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n, head=heads[label]).stats
+                    stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n,
+                                     engine=Engine(head=heads[label])).stats
                     t = tally[(label, n)]
                     t["drafted"] = [a + b for a, b in zip(t["drafted"], stats.drafted)]
                     t["accepted"] = [a + b for a, b in zip(t["accepted"], stats.accepted)]
