@@ -87,8 +87,8 @@ class Conversation:
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repetition_penalty=repetition_penalty)
         self.model, self.raw, self.seed = model, raw, int(seed)
-        self.system, self.enable_thinking = system, enable_thinking
-        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.system = system
+        self.enable_thinking, self.template_kwargs = chat.generation_variables(enable_thinking, chat_template_kwargs)
         self.settings = dict(max_tokens=max_tokens, n_draft=n_draft, stop=stop, stop_at_eos=stop_at_eos,
                              sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

@@ -1,0 +1,298 @@
+"""Bounds on running a chat template: a template is data that comes with a downloaded checkpoint, so compiling and
+rendering it must end, in bounded time and memory, with either text or one error.
+
+A Jinja template runs as Python code, in two kinds of steps: Python lines (a loop, a macro call), which a trace
+function installed in the rendering thread sees and can stop at a deadline or past a nesting depth (this works in
+any thread, unlike `signal.alarm`); and single C calls (`2 ** 2 ** 40`, `'a' * 10 ** 10`, `'x'.center(10 ** 10)`),
+which nothing can stop once started, so their size is predicted from their operands and refused before they run.
+That covers every operator (`+ - * / // % **` and `~`), every call of a built-in method, every filter, and the
+constant folding Jinja does while compiling (switched off: the compiler evaluates no expression of the template).
+What a render writes is counted as it streams. Any exception from inside the template ends as one `TemplateError`.
+
+The bounds are a setting (`TemplateLimits`, module default `LIMITS`): tests shrink them to stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import string
+import sys
+import threading
+import time
+import types
+
+from .errors import TemplateError
+
+__all__ = ["LIMITS", "TemplateLimits", "bounded", "environment_class"]
+
+TEMPLATE_FILENAME = "<template>"  # the file name Jinja compiles a template's code under (from_string)
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateLimits:
+    """`seconds`: wall time of one compile or render; `chars`: the most characters a render may write, and the
+    largest string or list any one step may build; `depth`: the most template frames (macro calls, recursive
+    loops, blocks) active at once; `int_bits`: the largest integer arithmetic may make (4096 bits, about 1,233
+    digits: Python refuses to print integers past 4,300 digits anyway)."""
+
+    seconds: float = 10.0
+    chars: int = 16 * 1024 * 1024
+    depth: int = 100
+    int_bits: int = 4096
+
+    def __post_init__(self):
+        for name in ("seconds", "chars", "depth", "int_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+                raise TemplateError(f"TemplateLimits.{name}={value!r} must be a positive number")
+
+
+LIMITS = TemplateLimits()
+
+
+class LimitExceeded(BaseException):
+    """Raised inside a render to stop it; a BaseException so that no `except Exception` in Jinja's runtime or in a
+    filter swallows it. `bounded` turns it into a TemplateError."""
+
+
+_state = threading.local()  # .limits: the bounds of the render running in this thread
+
+
+def current_limits() -> TemplateLimits:
+    return getattr(_state, "limits", None) or LIMITS
+
+
+def bounded(limits: TemplateLimits, what: str, work):
+    """`work()` run in this thread under `limits`' deadline and depth (a trace function of this thread only);
+    what it raises, or its running out of a bound, is one TemplateError saying `what` failed."""
+    deadline = time.monotonic() + limits.seconds
+    depth = [0]
+
+    def local_trace(frame, event, arg):
+        if event == "return":
+            depth[0] -= 1
+        elif time.monotonic() > deadline:
+            raise LimitExceeded(f"ran past its time limit of {limits.seconds:g} s")
+        return local_trace
+
+    def global_trace(frame, event, arg):
+        if time.monotonic() > deadline:  # a Python-level loop in a filter or in Jinja's runtime
+            raise LimitExceeded(f"ran past its time limit of {limits.seconds:g} s")
+        if frame.f_code.co_filename != TEMPLATE_FILENAME:
+            return None  # no line events outside the template's own code: they would cost without need
+        depth[0] += 1
+        if depth[0] > limits.depth:
+            raise LimitExceeded(f"nests calls deeper than {limits.depth} (a macro or loop that recurses?)")
+        return local_trace
+
+    outer_limits, outer_trace = getattr(_state, "limits", None), sys.gettrace()
+    _state.limits = limits
+    sys.settrace(global_trace)
+    try:
+        return work()
+    except LimitExceeded as err:
+        raise TemplateError(f"{what}: {err}") from None
+    except RecursionError:
+        raise TemplateError(f"{what}: nests too deeply for Python (a recursive macro, or thousands of nested "
+                            f"blocks)") from None
+    except MemoryError:
+        raise TemplateError(f"{what}: ran out of memory") from None
+    finally:
+        sys.settrace(outer_trace)
+        _state.limits = outer_limits
+
+
+# ---- sizes predicted before a C call runs ----------------------------------------------------------------------
+def _refuse(message: str):
+    raise LimitExceeded(message)
+
+
+def _check_size(value):
+    """`value` itself, refused when it is a string or sequence longer, or an integer wider, than the bounds."""
+    limits = current_limits()
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > limits.chars:
+        _refuse(f"builds a {type(value).__name__} of {len(value):,} items, more than its limit of {limits.chars:,}")
+    if type(value) is int and value.bit_length() > limits.int_bits:
+        _refuse(f"builds an integer of {value.bit_length():,} bits, more than its limit of {limits.int_bits:,}")
+    return value
+
+
+def _check_length(length: int, what: str) -> None:
+    limits = current_limits()
+    if length > limits.chars:
+        _refuse(f"{what} would build {length:,} items, more than its limit of {limits.chars:,}")
+
+
+def _check_int_arguments(name: str, args, kwargs) -> None:
+    """A number argument of a built-in call is a width, a count or a length: past the size bound it would
+    build (or spin over) more than a render may."""
+    limit = current_limits().chars
+    for value in (*args, *kwargs.values()):
+        if type(value) is int and abs(value) > limit:
+            _refuse(f"calls {name} with {value if value.bit_length() < 64 else 'a huge number'}, past its size "
+                    f"limit of {limit:,}")
+
+
+def _sized(value) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 0
+
+
+def _check_binop(operator: str, left, right) -> None:
+    limits = current_limits()
+    if operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
+        if right * left.bit_length() > limits.int_bits * 2:  # |left| ** right has at least (bits - 1) * right bits
+            _refuse(f"computes an integer of about {right * (left.bit_length() - 1):,} bits, more than its limit of "
+                    f"{limits.int_bits:,}")
+    elif operator == "*":
+        if type(left) is int and type(right) is int:
+            if left.bit_length() + right.bit_length() > limits.int_bits + 1:
+                _refuse(f"computes an integer of about {left.bit_length() + right.bit_length():,} bits, more than "
+                        f"its limit of {limits.int_bits:,}")
+        elif isinstance(right, int) and _sized(left) or isinstance(left, int) and _sized(right):
+            count, sequence = (right, left) if isinstance(right, int) else (left, right)
+            _check_length(len(sequence) * max(count, 0), "repeating a sequence")
+    elif operator == "+" and _sized(left) and _sized(right):
+        _check_length(len(left) + len(right), "joining two sequences")
+    elif operator == "%" and isinstance(left, str):
+        _check_printf(left, right if isinstance(right, tuple) else (right,))
+
+
+_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d*))?")
+
+
+def _check_printf(template: str, args) -> None:
+    """`template % args`: a field's width or precision (`%099999999d`) pads to that many characters."""
+    widths = [int(n) for m in _PRINTF_FIELD.finditer(template) for n in m.groups() if n]
+    _check_int_arguments("a %-format", widths, {})
+    _check_int_arguments("a %-format", args if isinstance(args, tuple) else (), {})
+
+
+_FORMAT_NUMBER = re.compile(r"\d+")
+
+
+def _check_format_spec(template: str) -> None:
+    """str.format's fields: a width or precision in a spec (`{:>999999999}`) pads to that many characters."""
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError:
+        return  # str.format raises it itself
+    numbers = [int(n) for _, _, spec, _ in fields if spec for n in _FORMAT_NUMBER.findall(spec)]
+    _check_int_arguments("a format string", numbers, {})
+
+
+def _check_str_method(method, args, kwargs) -> None:
+    """The str methods whose result is a product of their inputs' sizes."""
+    owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        old, new = args[0], args[1]
+        found = len(owner) + 1 if not old else owner.count(old)
+        _check_length(len(owner) + found * max(len(new) - len(old), 0), "str.replace")
+    elif name == "join" and args and hasattr(args[0], "__len__"):
+        parts = args[0]
+        sized = sum(_sized(p) for p in parts) if isinstance(parts, (list, tuple)) else len(parts)
+        _check_length(sized + len(owner) * max(len(parts) - 1, 0), "str.join")
+    elif name == "translate" and args and isinstance(args[0], dict):
+        widest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+        _check_length(len(owner) * max(widest, 1), "str.translate")
+    elif name == "expandtabs":
+        tab = args[0] if args else kwargs.get("tabsize", 8)
+        if type(tab) is int:
+            _check_length(len(owner) * max(tab, 1), "str.expandtabs")
+    elif name in ("format", "format_map"):
+        _check_format_spec(owner)
+
+
+# ---- filters -----------------------------------------------------------------------------------------------------
+def _bounded_filter(name: str, function):
+    """`function` (a filter) with its number arguments bounded, its product-sized cases predicted, and its result
+    checked."""
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        values = [a for a in args if isinstance(a, (str, list, tuple, int, float, dict))]
+        _check_int_arguments(f"the filter {name}", values[1:], kwargs)
+        if values and isinstance(values[0], str):
+            subject = values[0]
+            if name == "replace" and len(values) >= 3:
+                _check_str_method(subject.replace, values[1:3], {})
+            elif name == "indent":
+                width = values[1] if len(values) > 1 else kwargs.get("width", 4)
+                pad = width if type(width) is int else _sized(width)
+                _check_length(len(subject) + (subject.count("\n") + 1) * pad, "the filter indent")
+            elif name == "format":
+                _check_printf(subject, tuple(values[1:]))
+        elif name == "round" and len(values) > 1 and type(values[1]) is int:
+            if abs(values[1]) > current_limits().int_bits:  # an int rounds through 10 ** -precision
+                _refuse(f"rounds to {values[1]} digits, past its limit of {current_limits().int_bits}")
+        if name == "join" and values and isinstance(values[0], (list, tuple, str)):
+            sep = values[1] if len(values) > 1 and isinstance(values[1], str) else kwargs.get("d", "")
+            _check_str_method(str(sep).join, (values[0],), {})
+        elif name == "sum" and values and isinstance(values[0], (list, tuple)):
+            if not all(isinstance(v, (int, float)) for v in values[0]):  # summing lists copies quadratically
+                _refuse("sums items that are not numbers")
+        return _check_size(function(*args, **kwargs))
+
+    return checked
+
+
+def bounded_filters(filters: dict) -> dict:
+    return {name: _bounded_filter(name, f) for name, f in filters.items()}
+
+
+# ---- the environment ---------------------------------------------------------------------------------------------
+@functools.cache
+def environment_class():
+    """An ImmutableSandboxedEnvironment whose operators, calls and string formatting are bounded, and whose
+    compiler evaluates nothing of the template (no constant folding: `{{ 2 ** 2 ** 40 }}` would hang compiling)."""
+    from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generator(CodeGenerator):
+        def _output_child_to_const(self, node, frame, finalize):
+            if not isinstance(node, nodes.TemplateData):  # the rest is evaluated when rendering, under bounds
+                raise nodes.Impossible()
+            return super()._output_child_to_const(node, frame, finalize)
+
+        def visit_Concat(self, node, frame):  # `a ~ b`, bounded like `+`
+            self.write("environment.concat((")
+            for part in node.nodes:
+                self.visit(part, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        code_generator_class = Generator
+        intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            _check_binop(operator, left, right)
+            return _check_size(super().call_binop(context, operator, left, right))
+
+        def concat(self, parts):
+            texts = [str(p) for p in parts]
+            _check_length(sum(len(t) for t in texts), "joining strings with ~")
+            return "".join(texts)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's convention: no name clash)
+            if isinstance(__obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or getattr(
+                    __obj, "__name__", "") in ("format", "format_map"):
+                _check_int_arguments(getattr(__obj, "__name__", "a function"), args, kwargs)
+                _check_str_method(__obj, args, kwargs)
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, str) and attribute in ("format", "format_map"):
+                _check_format_spec(obj)
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            if isinstance(obj, str) and argument in ("format", "format_map"):
+                _check_format_spec(obj)
+            return super().getitem(obj, argument)
+
+    return BoundedEnvironment
