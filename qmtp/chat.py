@@ -36,6 +36,7 @@ __all__ = ["GENERATION_CONFIG", "TEMPLATE_FILE", "end_ids", "opens_thinking", "r
 TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 MAX_TEMPLATE_BYTES = 1024 * 1024  # Qwen3.6's template is about 8 KB
+MAX_JSON_INDENT = 64
 THINK, END_THINK = "<think>", "</think>"
 # The names transformers passes a message's reasoning under (it fills all of them from whichever is given)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -159,6 +160,9 @@ def _compile(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+        if width > MAX_JSON_INDENT:  # each line of the JSON repeats it once per level
+            template_bounds.refuse(f"indents JSON by {width} characters a level, more than {MAX_JSON_INDENT}")
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format):
@@ -189,6 +193,7 @@ def _compile(source: str):
                 raise jinja2.exceptions.SecurityError(f"a template cannot store {name!r} (underscore) on a namespace")
 
     env = template_bounds.environment_class()(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                                              finalize=template_bounds.check_output,
                                               extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.filters = template_bounds.bounded_filters(env.filters)

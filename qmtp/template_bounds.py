@@ -25,7 +25,7 @@ import types
 
 from .errors import TemplateError
 
-__all__ = ["LIMITS", "TemplateLimits", "bounded", "environment_class"]
+__all__ = ["LIMITS", "TemplateLimits", "bounded", "bounded_filters", "check_output", "environment_class", "refuse"]
 
 TEMPLATE_FILENAME = "<template>"  # the file name Jinja compiles a template's code under (from_string)
 
@@ -87,8 +87,9 @@ def bounded(limits: TemplateLimits, what: str, work):
             raise LimitExceeded(f"nests calls deeper than {limits.depth} (a macro or loop that recurses?)")
         return local_trace
 
-    outer_limits, outer_trace = getattr(_state, "limits", None), sys.gettrace()
-    _state.limits = limits
+    outer_limits, outer_sizes, outer_trace = getattr(_state, "limits", None), getattr(_state, "sizes", None), \
+        sys.gettrace()
+    _state.limits, _state.sizes = limits, {}
     sys.settrace(global_trace)
     try:
         return work()
@@ -101,28 +102,55 @@ def bounded(limits: TemplateLimits, what: str, work):
         raise TemplateError(f"{what}: ran out of memory") from None
     finally:
         sys.settrace(outer_trace)
-        _state.limits = outer_limits
+        _state.limits, _state.sizes = outer_limits, outer_sizes
 
 
 # ---- sizes predicted before a C call runs ----------------------------------------------------------------------
-def _refuse(message: str):
+def refuse(message: str):
+    """Stop the render in progress with `message` (what the template did)."""
     raise LimitExceeded(message)
 
 
+def _expanded_size(value) -> int:
+    """How many characters and items `value` spells out when printed or compared: a list that holds another list
+    twice counts it twice (`[l, l]` doubled sixty times is small in memory, but printing it would never end).
+    Sizes are remembered per object for the render (objects kept alive so that their ids stay theirs), so each
+    new list costs its own items only."""
+    if isinstance(value, (str, bytes)):
+        return len(value) + 1
+    if not isinstance(value, (list, tuple, dict)):
+        return 1
+    sizes = getattr(_state, "sizes", None)
+    if sizes is None:
+        sizes = _state.sizes = {}
+    known = sizes.get(id(value))
+    if known is not None and known[0] is value:
+        return known[1]
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    size = 1 + sum(_expanded_size(item) for item in items)
+    sizes[id(value)] = (value, size)
+    return size
+
+
 def _check_size(value):
-    """`value` itself, refused when it is a string or sequence longer, or an integer wider, than the bounds."""
+    """`value` itself, refused when it is a string longer, a list or dict larger (spelled out), or an integer
+    wider, than the bounds."""
     limits = current_limits()
-    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > limits.chars:
-        _refuse(f"builds a {type(value).__name__} of {len(value):,} items, more than its limit of {limits.chars:,}")
+    if isinstance(value, (str, bytes)) and len(value) > limits.chars:
+        refuse(f"builds a {type(value).__name__} of {len(value):,} characters, more than its limit of "
+                f"{limits.chars:,}")
+    if isinstance(value, (list, tuple, dict)) and _expanded_size(value) > limits.chars:
+        refuse(f"builds a {type(value).__name__} that spells out more than its limit of {limits.chars:,} items "
+                f"and characters")
     if type(value) is int and value.bit_length() > limits.int_bits:
-        _refuse(f"builds an integer of {value.bit_length():,} bits, more than its limit of {limits.int_bits:,}")
+        refuse(f"builds an integer of {value.bit_length():,} bits, more than its limit of {limits.int_bits:,}")
     return value
 
 
 def _check_length(length: int, what: str) -> None:
     limits = current_limits()
     if length > limits.chars:
-        _refuse(f"{what} would build {length:,} items, more than its limit of {limits.chars:,}")
+        refuse(f"{what} would build {length:,} items, more than its limit of {limits.chars:,}")
 
 
 def _check_int_arguments(name: str, args, kwargs) -> None:
@@ -131,7 +159,7 @@ def _check_int_arguments(name: str, args, kwargs) -> None:
     limit = current_limits().chars
     for value in (*args, *kwargs.values()):
         if type(value) is int and abs(value) > limit:
-            _refuse(f"calls {name} with {value if value.bit_length() < 64 else 'a huge number'}, past its size "
+            refuse(f"calls {name} with {value if value.bit_length() < 64 else 'a huge number'}, past its size "
                     f"limit of {limit:,}")
 
 
@@ -143,12 +171,12 @@ def _check_binop(operator: str, left, right) -> None:
     limits = current_limits()
     if operator == "**" and type(left) is int and type(right) is int and right > 0 and abs(left) > 1:
         if right * left.bit_length() > limits.int_bits * 2:  # |left| ** right has at least (bits - 1) * right bits
-            _refuse(f"computes an integer of about {right * (left.bit_length() - 1):,} bits, more than its limit of "
+            refuse(f"computes an integer of about {right * (left.bit_length() - 1):,} bits, more than its limit of "
                     f"{limits.int_bits:,}")
     elif operator == "*":
         if type(left) is int and type(right) is int:
             if left.bit_length() + right.bit_length() > limits.int_bits + 1:
-                _refuse(f"computes an integer of about {left.bit_length() + right.bit_length():,} bits, more than "
+                refuse(f"computes an integer of about {left.bit_length() + right.bit_length():,} bits, more than "
                         f"its limit of {limits.int_bits:,}")
         elif isinstance(right, int) and _sized(left) or isinstance(left, int) and _sized(right):
             count, sequence = (right, left) if isinstance(right, int) else (left, right)
@@ -227,13 +255,13 @@ def _bounded_filter(name: str, function):
                 _check_printf(subject, tuple(values[1:]))
         elif name == "round" and len(values) > 1 and type(values[1]) is int:
             if abs(values[1]) > current_limits().int_bits:  # an int rounds through 10 ** -precision
-                _refuse(f"rounds to {values[1]} digits, past its limit of {current_limits().int_bits}")
+                refuse(f"rounds to {values[1]} digits, past its limit of {current_limits().int_bits}")
         if name == "join" and values and isinstance(values[0], (list, tuple, str)):
             sep = values[1] if len(values) > 1 and isinstance(values[1], str) else kwargs.get("d", "")
             _check_str_method(str(sep).join, (values[0],), {})
         elif name == "sum" and values and isinstance(values[0], (list, tuple)):
             if not all(isinstance(v, (int, float)) for v in values[0]):  # summing lists copies quadratically
-                _refuse("sums items that are not numbers")
+                refuse("sums items that are not numbers")
         return _check_size(function(*args, **kwargs))
 
     return checked
@@ -258,6 +286,22 @@ def environment_class():
                 raise nodes.Impossible()
             return super()._output_child_to_const(node, frame, finalize)
 
+        def visit_List(self, node, frame):  # a literal list, tuple or dict: its size spelled out is bounded
+            self._checked(super().visit_List, node, frame)
+
+        def visit_Tuple(self, node, frame):
+            if node.ctx != "load":  # `{% for a, b in ... %}`: a target, not a value
+                return super().visit_Tuple(node, frame)
+            self._checked(super().visit_Tuple, node, frame)
+
+        def visit_Dict(self, node, frame):
+            self._checked(super().visit_Dict, node, frame)
+
+        def _checked(self, visit, node, frame):
+            self.write("environment.checked(")
+            visit(node, frame)
+            self.write(")")
+
         def visit_Concat(self, node, frame):  # `a ~ b`, bounded like `+`
             self.write("environment.concat((")
             for part in node.nodes:
@@ -273,8 +317,11 @@ def environment_class():
             _check_binop(operator, left, right)
             return _check_size(super().call_binop(context, operator, left, right))
 
+        def checked(self, value):
+            return _check_size(value)
+
         def concat(self, parts):
-            texts = [str(p) for p in parts]
+            texts = [str(_check_size(p)) for p in parts]
             _check_length(sum(len(t) for t in texts), "joining strings with ~")
             return "".join(texts)
 
@@ -296,3 +343,9 @@ def environment_class():
             return super().getitem(obj, argument)
 
     return BoundedEnvironment
+
+
+def check_output(value):
+    """The environment's `finalize`: what a `{{ ... }}` prints is bounded before it is turned into text (a large
+    integer from the messages prints as Python allows, up to 4,300 digits)."""
+    return value if type(value) is int else _check_size(value)

@@ -87,6 +87,15 @@ HOSTILE = {
     "recursive loop": "{% for m in [[1]] recursive %}{{ loop([m]) }}{% endfor %}",
     "nested ifs": "{% if true %}" * 3000 + "x" + "{% endif %}" * 3000,
     "nested fors": "{% for i in [1] %}" * 300 + "x" + "{% endfor %}" * 300,
+    "shared list doubled": "{% set ns = namespace(l=[1]) %}{% for i in range(80) %}{% set ns.l = [ns.l, ns.l] %}"
+                           "{% endfor %}{{ ns.l }}",
+    "shared list repeated": "{% set ns = namespace(l=[1]) %}{% for i in range(80) %}{% set ns.l = [ns.l] * 2 %}"
+                            "{% endfor %}{{ ns.l | tojson }}",
+    "shared lists compared": "{% macro f(a, b, n) %}{% if n %}{{ f((a, a), (b, b), n - 1) }}{% else %}{{ a == b }}"
+                             "{% endif %}{% endmacro %}{{ f([1], [1], 45) }}",
+    "shared dict doubled": "{% set ns = namespace(d={}) %}{% for i in range(80) %}{% set ns.d = {'a': ns.d, 'b': ns.d} %}"
+                           "{% endfor %}{{ ns.d | string | length }}",
+    "wide JSON indent": "{{ [[[[1]]]] | tojson(indent=10 ** 7) }}",
     "huge output": "{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}",
     "lone surrogate written": "{{ '\\ud800' }}",
 }
