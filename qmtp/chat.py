@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .checkpoint import read_json
 from . import template_bounds
-from .errors import CheckpointError, QmtpError, TemplateError, TemplateRefusedError, UsageError
+from .errors import CheckpointError, QmtpError, TemplateError, TemplateRefusedError, TemplateTimeoutError, UsageError
 from .template_bounds import TemplateLimits, bounded
 
 __all__ = ["GENERATION_CONFIG", "TEMPLATE_FILE", "end_ids", "opens_thinking", "render", "split_thinking"]
@@ -124,12 +124,15 @@ PROBE = ({"role": "user", "content": "Hello"},)
 @functools.lru_cache(maxsize=8)
 def _probe(source: str, limits: TemplateLimits) -> str | None:
     """How the template fails on a one-message conversation by running past a bound or raising from its own
-    computation (`{{ 1 / 0 }}`), or None: so that `doctor` and every later call learn it at once, and a
-    hostile template costs its time limit once per process. A refusal of the probe's messages is no failure."""
+    computation (`{{ 1 / 0 }}`), or None: so that `doctor` and every later call learn it at once. A refusal of
+    the probe's messages is no failure; running out of time is raised, not remembered (a busy machine is no
+    verdict on the template)."""
     compiled = _compile(source)
     data = dict(messages=[dict(m) for m in PROBE], tools=None, documents=None, add_generation_prompt=True)
     try:
         bounded(limits, "the chat template fails", lambda: _render_bounded(compiled, data, limits.chars))
+    except TemplateTimeoutError:
+        raise
     except TemplateError as err:
         return str(err)
     except QmtpError:
@@ -216,7 +219,11 @@ def _plain(value, where: str, _inside: tuple = ()):
     """`value` rebuilt from plain JSON types (what the sandbox may read); anything else is a usage error, and so
     is text with a lone surrogate (no tokenizer can encode it), a list or dict that contains itself, or data
     nested deeper than MAX_DATA_DEPTH."""
-    if type(value) is str or isinstance(value, str):
+    if type(value) is str:
+        if not value.isascii():
+            refuse_surrogates(value, where)
+        return value
+    if isinstance(value, str):  # a subclass (an enum...) may carry methods: back to the base type
         refuse_surrogates(value, where)
         return str(value)
     if value is None or type(value) in (int, float, bool):

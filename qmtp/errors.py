@@ -38,6 +38,10 @@ class TemplateError(QmtpError):
     (`qmtp.template_bounds`), or raised from inside (a division by zero, a value of the wrong kind)."""
 
 
+class TemplateTimeoutError(TemplateError):
+    """A chat template ran past its time limit (perhaps only because the machine was busy)."""
+
+
 class TemplateRefusedError(UsageError):
     """A chat template refuses the conversation (its `raise_exception`, or a message field of a kind it cannot
     read): the messages are what to change."""

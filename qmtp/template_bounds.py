@@ -1,9 +1,10 @@
 """Bounds on running a chat template: a template is data that comes with a downloaded checkpoint, so compiling and
 rendering it must end, in bounded time and memory, with either text or one error.
 
-A Jinja template runs as Python code, in two kinds of steps: Python lines (a loop, a macro call), which a trace
-function installed in the rendering thread sees and can stop at a deadline or past a nesting depth (this works in
-any thread, unlike `signal.alarm`); and single C calls (`2 ** 2 ** 40`, `'a' * 10 ** 10`, `'x'.center(10 ** 10)`),
+A Jinja template runs as Python code, in two kinds of steps: Python bytecode (a loop, a macro call), which a
+watchdog thread stops at a deadline by raising an exception in the rendering thread (this works in any thread,
+unlike `signal.alarm`, and costs nothing while the render runs), and whose calls are counted against a nesting
+depth; and single C calls (`2 ** 2 ** 40`, `'a' * 10 ** 10`, `'x'.center(10 ** 10)`),
 which nothing can stop once started, so their size is predicted from their operands and refused before they run.
 That covers every operator (`+ - * / // % **` and `~`), every call of a built-in method, every filter, and the
 constant folding Jinja does while compiling (switched off: the compiler evaluates no expression of the template).
@@ -18,16 +19,14 @@ import dataclasses
 import functools
 import re
 import string
-import sys
 import threading
 import time
 import types
 
-from .errors import TemplateError
+from .errors import TemplateError, TemplateTimeoutError
 
 __all__ = ["LIMITS", "TemplateLimits", "bounded", "bounded_filters", "check_output", "environment_class", "refuse"]
 
-TEMPLATE_FILENAME = "<template>"  # the file name Jinja compiles a template's code under (from_string)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,45 +63,106 @@ def current_limits() -> TemplateLimits:
     return getattr(_state, "limits", None) or LIMITS
 
 
+class DeadlinePassed(LimitExceeded):
+    """Raised asynchronously in a rendering thread by the watchdog when its time is up."""
+
+
+class _Watchdog:
+    """One daemon thread that raises DeadlinePassed in a thread still rendering at its deadline
+    (`PyThreadState_SetAsyncExc`: Python delivers it at the thread's next bytecode, so a loop that emits nothing
+    stops too, in any thread, and a render that ends in time costs only a registration)."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._watched: dict[object, list] = {}  # token: [deadline, thread id, fired]
+        self._thread: threading.Thread | None = None
+        self._wakes_at = float("inf")  # when the watchdog looks next: a later deadline needs no waking it
+
+    def watch(self, token: object, seconds: float) -> None:
+        """Watch this thread under `token` (the caller's, so that `finish` finds it even when the deadline
+        strikes before this returns)."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            self._watched[token] = [deadline, threading.get_ident(), False]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="qmtp-template-watchdog", daemon=True)
+                self._thread.start()
+            if deadline < self._wakes_at:
+                self._wakes_at = deadline
+                self._lock.notify()
+
+    def finish(self, token) -> None:
+        """Stop watching; an exception fired but not yet delivered is withdrawn, so it cannot strike later."""
+        with self._lock:
+            entry = self._watched.pop(token, None)
+        if entry is not None and entry[2]:
+            _set_async_exception(entry[1], None)
+
+    def _run(self):
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                for entry in self._watched.values():
+                    if not entry[2] and entry[0] <= now:
+                        entry[2] = True
+                        _set_async_exception(entry[1], DeadlinePassed)
+                self._wakes_at = min((entry[0] for entry in self._watched.values() if not entry[2]),
+                                     default=float("inf"))
+                self._lock.wait(self._wakes_at - now if self._wakes_at < float("inf") else None)
+
+
+def _set_async_exception(thread_id: int, exception) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exception) if exception is not None else None)
+
+
+_WATCHDOG = _Watchdog()
+
+
 def bounded(limits: TemplateLimits, what: str, work):
-    """`work()` run in this thread under `limits`' deadline and depth (a trace function of this thread only);
-    what it raises, or its running out of a bound, is one TemplateError saying `what` failed."""
-    deadline = time.monotonic() + limits.seconds
-    depth = [0]
-
-    def local_trace(frame, event, arg):
-        if event == "return":
-            depth[0] -= 1
-        elif time.monotonic() > deadline:
-            raise LimitExceeded(f"ran past its time limit of {limits.seconds:g} s")
-        return local_trace
-
-    def global_trace(frame, event, arg):
-        if time.monotonic() > deadline:  # a Python-level loop in a filter or in Jinja's runtime
-            raise LimitExceeded(f"ran past its time limit of {limits.seconds:g} s")
-        if frame.f_code.co_filename != TEMPLATE_FILENAME:
-            return None  # no line events outside the template's own code: they would cost without need
-        depth[0] += 1
-        if depth[0] > limits.depth:
-            raise LimitExceeded(f"nests calls deeper than {limits.depth} (a macro or loop that recurses?)")
-        return local_trace
-
-    outer_limits, outer_sizes, outer_trace = getattr(_state, "limits", None), getattr(_state, "sizes", None), \
-        sys.gettrace()
-    _state.limits, _state.sizes = limits, {}
-    sys.settrace(global_trace)
+    """`work()` run in this thread under `limits`: stopped at its deadline by the watchdog, its calls counted
+    against the depth bound; what it raises, or its running out of a bound, is one TemplateError saying `what`
+    failed."""
+    outer = getattr(_state, "limits", None), getattr(_state, "sizes", None), getattr(_state, "depth", 0)
+    _state.limits, _state.sizes, _state.depth = limits, {}, 0
+    token = object()
     try:
-        return work()
-    except LimitExceeded as err:
-        raise TemplateError(f"{what}: {err}") from None
-    except RecursionError:
-        raise TemplateError(f"{what}: nests too deeply for Python (a recursive macro, or thousands of nested "
-                            f"blocks)") from None
-    except MemoryError:
-        raise TemplateError(f"{what}: ran out of memory") from None
+        try:
+            _WATCHDOG.watch(token, limits.seconds)
+            return work()
+        except DeadlinePassed:
+            raise TemplateTimeoutError(f"{what}: ran past its time limit of {limits.seconds:g} s") from None
+        except LimitExceeded as err:
+            raise TemplateError(f"{what}: {err}") from None
+        except RecursionError:
+            raise TemplateError(f"{what}: nests too deeply for Python (a recursive macro, or thousands of nested "
+                                f"blocks)") from None
+        except MemoryError:
+            raise TemplateError(f"{what}: ran out of memory") from None
+    except DeadlinePassed:  # the deadline struck while another error was being reported
+        raise TemplateTimeoutError(f"{what}: ran past its time limit of {limits.seconds:g} s") from None
     finally:
-        sys.settrace(outer_trace)
-        _state.limits, _state.sizes = outer_limits, outer_sizes
+        while True:  # the deadline may strike as this begins (it fires once a token: the retry is safe)
+            try:
+                _WATCHDOG.finish(token)
+                break
+            except DeadlinePassed:
+                continue
+        _state.limits, _state.sizes, _state.depth = outer
+
+
+def enter_call() -> None:
+    """A template's call begins (a macro, a recursive loop, a method): past the depth bound, it stops."""
+    _state.depth = depth = getattr(_state, "depth", 0) + 1
+    if depth > current_limits().depth:
+        _state.depth -= 1
+        refuse(f"nests calls deeper than {current_limits().depth} (a macro or loop that recurses?)")
+
+
+def leave_call() -> None:
+    _state.depth -= 1
 
 
 # ---- sizes predicted before a C call runs ----------------------------------------------------------------------
@@ -135,7 +195,12 @@ def _expanded_size(value) -> int:
 def _check_size(value):
     """`value` itself, refused when it is a string longer, a list or dict larger (spelled out), or an integer
     wider, than the bounds."""
+    kind = type(value)
+    if kind is bool or kind is float or kind is int and -1 << 64 < value < 1 << 64 or value is None:
+        return value  # the common case, at once
     limits = current_limits()
+    if kind is str and len(value) <= limits.chars:
+        return value
     if isinstance(value, (str, bytes)) and len(value) > limits.chars:
         refuse(f"builds a {type(value).__name__} of {len(value):,} characters, more than its limit of "
                 f"{limits.chars:,}")
@@ -330,7 +395,11 @@ def environment_class():
                     __obj, "__name__", "") in ("format", "format_map"):
                 _check_int_arguments(getattr(__obj, "__name__", "a function"), args, kwargs)
                 _check_str_method(__obj, args, kwargs)
-            return _check_size(super().call(__context, __obj, *args, **kwargs))
+            enter_call()
+            try:
+                return _check_size(super().call(__context, __obj, *args, **kwargs))
+            finally:
+                leave_call()
 
         def getattr(self, obj, attribute):
             if isinstance(obj, str) and attribute in ("format", "format_map"):

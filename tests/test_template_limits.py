@@ -288,3 +288,32 @@ def test_doctor_and_chat_say_one_line_and_exit_2(tmp_path, source, command):
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("qmtp: error:") and "chat template" in errors[0], done.stderr
+
+
+def test_a_deadline_never_strikes_after_its_render(monkeypatch):
+    """The watchdog raises in the rendering thread at the deadline: a render that ends just then must withdraw
+    it, so that no stray exception strikes the code that runs next. Deadlines around a render's length, and a
+    short switch interval so that the watchdog gets the interpreter when its deadline comes."""
+    source = "{% for i in range(3000) %}{{ i }}{% endfor %}"
+    chat.render(source, HELLO)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)
+
+    def many():
+        outcomes = set()
+        for seconds in (0.0002, 0.0004, 0.0008, 0.0016):
+            monkeypatch.setattr(template_bounds, "LIMITS", template_bounds.TemplateLimits(seconds=seconds))
+            for _ in range(150):
+                try:
+                    chat.render(source, HELLO)
+                    outcomes.add("rendered")
+                except TemplateError:
+                    outcomes.add("stopped")
+                sum(range(20_000))  # Python code after the render, where a stray exception would land
+        return outcomes
+
+    try:
+        outcomes, _ = in_thread(many)
+    finally:
+        sys.setswitchinterval(interval)
+    assert isinstance(outcomes, set), f"{type(outcomes).__name__}: {outcomes}"
