@@ -88,9 +88,9 @@ def generation_variables(enable_thinking, variables: Mapping | None) -> tuple[bo
     add_generation_prompt and tokenize only as True, what a prompt to generate from is. Returns
     (enable_thinking, the other variables)."""
     rest = dict(variables or {})
-    bad = next((k for k in rest if not isinstance(k, str) or not k.isidentifier()), None)
+    bad = next((k for k in rest if not isinstance(k, str)), None)
     if bad is not None:
-        raise UsageError(f"chat_template_kwargs: {bad!r:.40} is not a variable name a template can read")
+        raise UsageError(f"chat_template_kwargs: {bad!r:.40} is not a variable name (give text keys)")
     if "enable_thinking" in rest:
         given = rest.pop("enable_thinking")
         if enable_thinking is not None and given is not enable_thinking:

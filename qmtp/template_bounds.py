@@ -271,8 +271,10 @@ def _check_format_spec(template: str) -> None:
         fields = list(string.Formatter().parse(template))
     except ValueError:
         return  # str.format raises it itself
-    numbers = [int(n) for _, _, spec, _ in fields if spec for n in _FORMAT_NUMBER.findall(spec)]
-    _check_int_arguments("a format string", numbers, {})
+    specs = [spec for _, _, spec, _ in fields if spec]
+    if any("{" in spec for spec in specs):  # `{:>{}}`: a width taken from an argument, unseen until it runs
+        refuse("formats with a width or precision taken from an argument ({:{}})")
+    _check_int_arguments("a format string", [int(n) for spec in specs for n in _FORMAT_NUMBER.findall(spec)], {})
 
 
 def _check_str_method(method, args, kwargs) -> None:

@@ -69,6 +69,8 @@ HOSTILE = {
     "center method": "{{ 'a'.center(10 ** 10) }}",
     "center filter": "{{ 'a' | center(10 ** 10) }}",
     "format width": "{{ '{:>9999999999}'.format(1) }}",
+    "format width from an argument": "{{ '{:>{}}'.format(1, 10 ** 10) }}",
+    "format width from a text argument": "{{ '{:>{w}}'.format_map({'w': '9999999999'}) }}",
     "printf width": "{{ '%09999999999d' % 1 }}",
     "format filter": "{{ '%9999999999s' | format('x') }}",
     "replace product": "{{ ('a' * 50000) | replace('', 'b' * 50000) }}",
