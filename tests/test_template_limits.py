@@ -59,8 +59,10 @@ HOSTILE = {
     "number past printing": "{{ 10 ** 5000 }}",
     "repeated text": "{{ 'a' * 10 ** 10 }}",
     "repeated list": "{{ [0] * 10 ** 10 }}",
-    "doubled with +": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-    "doubled with ~": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubled with +": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+                      "{% endfor %}",
+    "doubled with ~": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+                      "{% endfor %}",
     "division by zero": "{{ 1 / 0 }}",
     "floor division by zero": "{{ 1 // 0 }}",
     "modulo by zero": "{{ 1 % 0 }}",
@@ -95,8 +97,8 @@ HOSTILE = {
                             "{% endfor %}{{ ns.l | tojson }}",
     "shared lists compared": "{% macro f(a, b, n) %}{% if n %}{{ f((a, a), (b, b), n - 1) }}{% else %}{{ a == b }}"
                              "{% endif %}{% endmacro %}{{ f([1], [1], 45) }}",
-    "shared dict doubled": "{% set ns = namespace(d={}) %}{% for i in range(80) %}{% set ns.d = {'a': ns.d, 'b': ns.d} %}"
-                           "{% endfor %}{{ ns.d | string | length }}",
+    "shared dict doubled": "{% set ns = namespace(d={}) %}{% for i in range(80) %}"
+                           "{% set ns.d = {'a': ns.d, 'b': ns.d} %}{% endfor %}{{ ns.d | string | length }}",
     "wide JSON indent": "{{ [[[[1]]]] | tojson(indent=10 ** 7) }}",
     "huge output": "{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}",
     "lone surrogate written": "{{ '\\ud800' }}",
