@@ -27,13 +27,16 @@ from datetime import datetime
 from pathlib import Path
 
 from .checkpoint import read_json
-from .errors import CheckpointError, UsageError
+from . import template_bounds
+from .errors import CheckpointError, QmtpError, TemplateError, TemplateRefusedError, TemplateTimeoutError, UsageError
+from .template_bounds import TemplateLimits, bounded
 
 __all__ = ["GENERATION_CONFIG", "TEMPLATE_FILE", "end_ids", "opens_thinking", "render", "split_thinking"]
 
 TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 MAX_TEMPLATE_BYTES = 1024 * 1024  # Qwen3.6's template is about 8 KB
+MAX_JSON_INDENT = 64
 THINK, END_THINK = "<think>", "</think>"
 # The names transformers passes a message's reasoning under (it fills all of them from whichever is given)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -61,21 +64,86 @@ def load_template(directory: str | os.PathLike[str] | None, config: Mapping) -> 
     value = config.get("chat_template")
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-    raise CheckpointError("tokenizer_config.json: chat_template must be a string (or a list of named templates "
-                          f"with a 'default'), got {type(value).__name__}")
+    return named_templates(config).get("default")  # without one, a chat must name its template (or use raw text)
+
+
+def named_templates(config: Mapping) -> dict[str, str]:
+    """The named templates of tokenizer_config.json's `chat_template` when it is a list
+    ([{"name": "default", "template": "..."}, {"name": "tool_use", ...}], as transformers saves several); {} when
+    it is one string or absent. A list whose entries are not {name, template} pairs of text is damaged."""
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return {}
+    entries = value if isinstance(value, list) else None
+    if entries is None or not all(isinstance(t, Mapping) and isinstance(t.get("name"), str)
+                                  and isinstance(t.get("template"), str) for t in entries):
+        raise CheckpointError("tokenizer_config.json: chat_template must be a string or a list of "
+                              f"{{'name': ..., 'template': ...}} entries, got {value!r:.60}")
+    return {t["name"]: t["template"] for t in entries}
+
+
+def generation_variables(enable_thinking, variables: Mapping | None) -> tuple[bool | None, dict]:
+    """`generate`'s `enable_thinking` and `chat_template_kwargs` as one setting: the kwargs may name
+    enable_thinking (as OpenAI-style servers take it) when the argument is not given otherwise; they may name
+    add_generation_prompt and tokenize only as True, what a prompt to generate from is. Returns
+    (enable_thinking, the other variables)."""
+    rest = dict(variables or {})
+    bad = next((k for k in rest if not isinstance(k, str)), None)
+    if bad is not None:
+        raise UsageError(f"chat_template_kwargs: {bad!r:.40} is not a variable name (give text keys)")
+    if "enable_thinking" in rest:
+        given = rest.pop("enable_thinking")
+        if enable_thinking is not None and given is not enable_thinking:
+            raise UsageError(f"enable_thinking is given twice: {enable_thinking!r} as an argument and {given!r:.20} in "
+                             f"chat_template_kwargs; give it once")
+        enable_thinking = given
+    for name in ("add_generation_prompt", "tokenize"):
+        if name in rest and rest.pop(name) is not True:
+            raise UsageError(f"chat_template_kwargs: {name} must be True here (generation starts from the "
+                             f"tokenized prompt with its generation prompt), or left out")
+    return enable_thinking, rest
 
 
 # ---- the Jinja environment, as transformers builds it -----------------------------------------------------
+def compile_template(source: str, limits: TemplateLimits | None = None):
+    """The compiled template; a syntax error is one line naming the template's line. Compiling runs under
+    `limits` (default `template_bounds.LIMITS`): a template nested too deeply for the parser is one error."""
+    if not isinstance(source, str):
+        raise UsageError(f"chat_template: give the template's text, not {type(source).__name__}")
+    limits = limits or template_bounds.LIMITS
+    compiled = bounded(limits, "the chat template does not compile", lambda: _compile(source))
+    failure = _probe(source, limits)
+    if failure is not None:
+        raise TemplateError(failure)
+    return compiled
+
+
+PROBE = ({"role": "user", "content": "Hello"},)
+
+
 @functools.lru_cache(maxsize=8)
-def compile_template(source: str):
-    """The compiled template; a syntax error is one line naming the template's line."""
+def _probe(source: str, limits: TemplateLimits) -> str | None:
+    """How the template fails on a one-message conversation by running past a bound or raising from its own
+    computation (`{{ 1 / 0 }}`), or None: so that `doctor` and every later call learn it at once. A refusal of
+    the probe's messages is no failure; running out of time is raised, not remembered (a busy machine is no
+    verdict on the template)."""
+    compiled = _compile(source)
+    data = dict(messages=[dict(m) for m in PROBE], tools=None, documents=None, add_generation_prompt=True)
+    try:
+        bounded(limits, "the chat template fails", lambda: _render_bounded(compiled, data, limits.chars))
+    except TemplateTimeoutError:
+        raise
+    except TemplateError as err:
+        return str(err)
+    except QmtpError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}` marks the assistant's text for training masks; rendering
@@ -95,6 +163,9 @@ def compile_template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+        if width > MAX_JSON_INDENT:  # each line of the JSON repeats it once per level
+            template_bounds.refuse(f"indents JSON by {width} characters a level, more than {MAX_JSON_INDENT}")
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format):
@@ -124,34 +195,68 @@ def compile_template(source: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a template cannot store {name!r} (underscore) on a namespace")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env = template_bounds.environment_class()(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                                              finalize=template_bounds.check_output,
+                                              extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters = template_bounds.bounded_filters(env.filters)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as err:
         raise CheckpointError(f"the chat template does not compile: {err.message} (line {err.lineno})") from None
+    except (RecursionError, SyntaxError, MemoryError) as err:  # Python's own compiler on deeply nested blocks
+        raise TemplateError(f"the chat template does not compile: it nests too deeply ({type(err).__name__}: "
+                            f"{err})") from None
 
 
 # ---- the data a template sees -------------------------------------------------------------------------------
-def _plain(value, where: str):
-    """`value` rebuilt from plain JSON types (what the sandbox may read); anything else is a usage error."""
-    if value is None or type(value) in (str, int, float, bool):
+MAX_DATA_DEPTH = 200  # nesting of the lists and dicts a template is given (JSON schemas nest a few levels)
+
+
+def _plain(value, where: str, _inside: tuple = ()):
+    """`value` rebuilt from plain JSON types (what the sandbox may read); anything else is a usage error, and so
+    is text with a lone surrogate (no tokenizer can encode it), a list or dict that contains itself, or data
+    nested deeper than MAX_DATA_DEPTH."""
+    if type(value) is str:
+        if not value.isascii():
+            refuse_surrogates(value, where)
+        return value
+    if isinstance(value, str):  # a subclass (an enum...) may carry methods: back to the base type
+        refuse_surrogates(value, where)
+        return str(value)
+    if value is None or type(value) in (int, float, bool):
         return value
     if isinstance(value, bool):
         return bool(value)
-    for kind in (str, int, float):
+    for kind in (int, float):
         if isinstance(value, kind):  # a subclass (an enum...) may carry methods: back to the base type
             return kind(value)
-    if isinstance(value, Mapping):
-        return {_plain(k, where): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, (Mapping, list, tuple)):
+        if any(value is outer for outer in _inside):
+            raise UsageError(f"{where}: contains itself (a list or dict inside itself has no text)")
+        if len(_inside) >= MAX_DATA_DEPTH:
+            raise UsageError(f"{where}: nested more than {MAX_DATA_DEPTH} levels deep")
+        inside = (*_inside, value)
+        if isinstance(value, Mapping):
+            return {_plain(k, where, inside): _plain(v, f"{where}[{k!r:.40}]", inside) for k, v in value.items()}
+        return type(value)(_plain(v, f"{where}[{i}]", inside) for i, v in enumerate(value))
     item = getattr(value, "item", None)  # a numpy scalar
     if callable(item) and getattr(value, "shape", None) == ():
         return _plain(item(), where)
     raise UsageError(f"{where}: a chat template reads text, numbers, lists and dicts, not {type(value).__name__}")
+
+
+def refuse_surrogates(text: str, where: str) -> None:
+    """A lone surrogate ("\\ud800", half of a UTF-16 pair) is not a character: no UTF-8 encodes it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UsageError(f"{where}: holds a lone surrogate {text[err.start]!r} at character {err.start}, which is "
+                         f"not text (decode the bytes it came from as UTF-8 with errors='replace')") from None
 
 
 def _messages(messages) -> list[dict]:
@@ -193,15 +298,45 @@ def render(template: str, messages, *, tools=None, documents=None, add_generatio
         bad = next((t for t in tools if not isinstance(t, Mapping)), None)
         if bad is not None:
             raise UsageError(f"tools: each tool is a JSON schema (a dict), not {type(bad).__name__} {bad!r:.40}")
-    variables = {**(special_tokens or {}), **kwargs}
-    compiled = compile_template(template)
+    variables = _plain({**(special_tokens or {}), **kwargs}, "template argument")
+    data = dict(messages=chat, tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
+                add_generation_prompt=add_generation_prompt, **variables)
+    limits = template_bounds.LIMITS
+    compiled = compile_template(template, limits)
+    text = bounded(limits, "the chat template fails", lambda: _render_bounded(compiled, data, limits.chars))
+    refuse_surrogates(text, "the chat template's output")
+    return text
+
+
+def _render_bounded(compiled, data: dict, max_chars: int) -> str:
+    """The template's text, streamed so that it stops as soon as it has written more than `max_chars`; an
+    exception from inside the template is one error naming its type."""
+    import jinja2
+
+    parts, written = [], 0
     try:
-        return compiled.render(messages=chat, tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
-                               add_generation_prompt=add_generation_prompt, **_plain(variables, "template argument"))
+        for part in compiled.generate(**data):
+            written += len(part)
+            if written > max_chars:
+                raise TemplateError(f"the chat template fails: it writes more than its limit of {max_chars:,} "
+                                    f"characters")
+            parts.append(part)
     except jinja2.exceptions.TemplateError as err:  # raise_exception, undefined names, the sandbox
-        raise UsageError(f"the chat template refuses these messages: {err.message or type(err).__name__}") from None
+        raise TemplateRefusedError(f"the chat template refuses these messages: {err.message or type(err).__name__}") \
+            from None
+    except (RecursionError, MemoryError, TemplateError):
+        raise  # `bounded` says which, or this function already did
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as err:  # e.g. content of a wrong kind
-        raise UsageError(f"the chat template fails on these messages: {type(err).__name__}: {err}") from None
+        raise TemplateRefusedError(f"the chat template fails on these messages: {type(err).__name__}: "
+                                   f"{_line(err)}") from None
+    except Exception as err:  # a division by zero, an overflow... whatever the template computes
+        raise TemplateError(f"the chat template fails: {type(err).__name__}: {_line(err)}") from None
+    return "".join(parts)
+
+
+def _line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{text.splitlines()[0]:.200}" if text else "(no message)"
 
 
 # ---- where a reply ends -------------------------------------------------------------------------------------

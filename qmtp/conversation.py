@@ -76,8 +76,8 @@ class Conversation:
                                min_p, presence_penalty, frequency_penalty, repetition_penalty)
         settings.check_for(model)
         self.model, self.raw, self.seed = model, raw, int(seed)
-        self.system, self.enable_thinking = system, enable_thinking
-        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.system = system
+        self.enable_thinking, self.template_kwargs = chat.generation_variables(enable_thinking, chat_template_kwargs)
         self.settings = settings  # seeded per turn: see `send`
         self.cache = PrefixCache()
         self._sending = threading.Lock()

@@ -33,6 +33,20 @@ class UsageError(QmtpError):
     """A call or command-line flag is outside what qmtp supports (bad n_draft, empty prompt...)."""
 
 
+class TemplateError(QmtpError):
+    """A chat template failed while compiling or rendering: it ran past a bound on time, size or nesting
+    (`qmtp.template_bounds`), or raised from inside (a division by zero, a value of the wrong kind)."""
+
+
+class TemplateTimeoutError(TemplateError):
+    """A chat template ran past its time limit (perhaps only because the machine was busy)."""
+
+
+class TemplateRefusedError(UsageError):
+    """A chat template refuses the conversation (its `raise_exception`, or a message field of a kind it cannot
+    read): the messages are what to change."""
+
+
 class NonFiniteWeightError(CheckpointError):
     """A stored tensor holds NaN or Inf (named in the message): the checkpoint is damaged."""
 

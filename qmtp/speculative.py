@@ -210,6 +210,7 @@ def _prompt_tokens(model: Model, prompt) -> list[int]:
             raise UsageError("this model has no tokenizer: pass the prompt as a list of token ids")
         if not prompt:
             raise UsageError("the prompt is empty: give at least one token of text")
+        chat.refuse_surrogates(prompt, "prompt")
         return model.tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: they would pass as token ids
         raise UsageError("prompt: give text (str) or a list of token ids, not bytes (decode them first)")
@@ -240,8 +241,9 @@ def _chat_prompt(model: Model, prompt, messages, enable_thinking, chat_template_
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise UsageError(f"chat_template_kwargs: give a dict of the template's variables, not "
                          f"{type(chat_template_kwargs).__name__}")
+    enable_thinking, variables = chat.generation_variables(enable_thinking, chat_template_kwargs)
     return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
-                                               tokenize=True, **(chat_template_kwargs or {}))
+                                               tokenize=True, **variables)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:

@@ -25,7 +25,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from qmtp.checkpoint import open_regular, read_json, write_atomic
 from . import chat
-from .errors import CheckpointError, UsageError
+from .errors import CheckpointError, TemplateError, TemplateRefusedError, UsageError
 
 __all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
 
@@ -270,13 +270,7 @@ class Tokenizer:
         `tools`: JSON schemas; `chat_template`: a template's text to use instead of the model's; other keyword
         arguments (e.g. Qwen3.6's `preserve_thinking=True`, which keeps earlier turns' thinking) are the
         template's variables. A model without a template raises UsageError (give a prompt string instead)."""
-        template = chat_template if chat_template is not None else self.chat_template
-        if template is None:
-            where = f"{self.source}: " if self.source is not None else ""
-            raise UsageError(f"{where}the tokenizer has no chat template (no {chat.TEMPLATE_FILE}, no chat_template "
-                             f"in {CONFIG_FILE}): give the prompt as text or token ids instead of messages")
-        if not isinstance(template, str):
-            raise UsageError(f"chat_template: give the template's text, not {type(template).__name__}")
+        template = self._template(chat_template)
         for name, value in (("add_generation_prompt", add_generation_prompt), ("tokenize", tokenize)):
             if not isinstance(value, bool):
                 raise UsageError(f"{name}={value!r:.40} must be True or False")
@@ -284,9 +278,43 @@ class Tokenizer:
             if not isinstance(enable_thinking, bool):  # the template tests `enable_thinking is false`
                 raise UsageError(f"enable_thinking={enable_thinking!r:.40} must be True, False or None")
             kwargs["enable_thinking"] = enable_thinking
-        text = chat.render(template, messages, tools=tools, documents=documents,
-                           add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs)
+        clash = next((name for name in ("messages", "template", "special_tokens") if name in kwargs), None)
+        if clash is not None:
+            raise UsageError(f"{clash} cannot be a template variable here: apply_chat_template sets it")
+        try:
+            text = chat.render(template, messages, tools=tools, documents=documents,
+                               add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens,
+                               **kwargs)
+        except (TemplateError, TemplateRefusedError, CheckpointError) as err:  # the template's doing: say whose
+            raise type(err)(f"{self._template_name(chat_template)}: {err}") from None
         return self.encode(text) if tokenize else text
+
+    def _template(self, chat_template: str | None) -> str:
+        """The template text to render: `chat_template` (a template's text, or the name of one of
+        tokenizer_config.json's named templates), else the model's."""
+        named = chat.named_templates(self.config)
+        if chat_template is None:
+            if self.chat_template is not None:
+                return self.chat_template
+            where = f"{self.source}: " if self.source is not None else ""
+            if named:
+                raise UsageError(f"{where}{CONFIG_FILE} names its chat templates {', '.join(map(repr, named))} but "
+                                 f"none 'default': pass chat_template=NAME to choose one, or give the prompt as text")
+            raise UsageError(f"{where}the tokenizer has no chat template (no {chat.TEMPLATE_FILE}, no chat_template "
+                             f"in {CONFIG_FILE}): give the prompt as text or token ids instead of messages")
+        if not isinstance(chat_template, str):
+            raise UsageError(f"chat_template: give the template's text, not {type(chat_template).__name__}")
+        return named.get(chat_template, chat_template)
+
+    def _template_name(self, chat_template: str | None) -> str:
+        """The template as an error names it: its file, its name in tokenizer_config.json, or 'the given one'."""
+        if chat_template is not None:
+            return (f"chat template {chat_template!r:.40}" if chat_template in chat.named_templates(self.config)
+                    else "the given chat_template")
+        if self.source is None:
+            return "the tokenizer's chat template"
+        jinja = self.source / chat.TEMPLATE_FILE
+        return str(jinja) if jinja.exists() else f"{self.source / CONFIG_FILE} (chat_template)"
 
     @property
     def vocab_size(self) -> int:
@@ -297,12 +325,17 @@ class Tokenizer:
         """Token ids of ``text``; no BOS/EOS is added. Special-token strings in ``text`` map to their ids."""
         if not isinstance(text, str):
             raise UsageError(f"encode expects a str, got {type(text).__name__}")
+        if not text.isascii():
+            chat.refuse_surrogates(text, "the text to encode")
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """:meth:`encode` for many texts at once (parallel in the Rust library)."""
         if isinstance(texts, str):
             raise UsageError("encode_batch expects a sequence of strings, not a single string")
+        for i, text in enumerate(texts):
+            if isinstance(text, str) and not text.isascii():
+                chat.refuse_surrogates(text, f"texts[{i}]")
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
