@@ -50,6 +50,7 @@ import errno
 import hashlib
 import itertools
 import json
+import math
 import os
 import queue
 import shutil
@@ -514,6 +515,11 @@ def _flush_to_disk(directory: Path) -> None:
         os.close(descriptor)
 
 
+def _stop(start: int, block) -> int | None:
+    """The row after the last of `block` (rows start.. of its tensor); None for a scalar tensor's one block."""
+    return start + block.shape[0] if block.ndim else None
+
+
 class _TensorWriter:
     """The output tensors as (name, dtype, nbytes, shape, produce) entries; `produce()` yields the tensor's
     bytes in pieces, a block of about CHUNK_BYTES of its rows at a time, so no tensor is ever whole in memory.
@@ -552,24 +558,37 @@ class _TensorWriter:
 
     def _blocks(self, name, following, out_dtype):
         """The tensor `name`, fixed and in `out_dtype`, as consecutive blocks of rows of its first axis, each
-        read from the source on its own, with the first row of each: (start, block). Cutting there changes no byte: both fixes act on each row alone (the
-        norm shift elementwise, the conv kernel on its last two axes) and every quantization group lies within
-        a row."""
-        import mlx.core as mx
-
-        recipe, shape = self.plan.recipes[name], self.policy[name].shape
-        dtype = getattr(mx, DTYPES[out_dtype][1])
+        read from the source on its own, with the first row of each: (start, block). Cutting there changes no
+        byte: both fixes act on each row alone (the norm shift elementwise, the conv kernel on its last two axes)
+        and every quantization group lies within a row."""
+        shape = self.policy[name].shape
         if not shape:  # a scalar: one block
-            yield 0, fixes_mod.apply(name, self.reader.materialise(recipe), self.applying).astype(dtype)
+            yield 0, self._block(name, None, out_dtype)
         else:
             row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * DTYPES[out_dtype][2]
             step = max(1, CHUNK_BYTES // max(1, row_bytes))
             for start in range(0, shape[0], step):
-                rows = (start, min(shape[0], start + step))
-                yield start, fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
+                yield start, self._block(name, (start, min(shape[0], start + step)), out_dtype)
         # Keep a stored tensor read for slicing only while the next output tensor slices it too.
+        recipe = self.plan.recipes[name]
         if following is None or self.plan.recipes[following].sources[0] != recipe.sources[0]:
             self.reader.forget()
+
+    def _block(self, name, rows, out_dtype):
+        """Rows `rows` (start, stop; None: a scalar tensor whole) of tensor `name`, fixed, in `out_dtype` (lazy)."""
+        import mlx.core as mx
+
+        dtype = getattr(mx, DTYPES[out_dtype][1])
+        recipe = self.plan.recipes[name]
+        return fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
+
+    @staticmethod
+    def _total(block, stream=None):
+        """The sum of `block` (lazy): NaN or infinite when the block holds a NaN or an Inf, since IEEE sums
+        propagate them, and finite otherwise unless large finite values overflowed it. A sum runs about nine
+        times as fast as `isfinite` on the CPU (2.8 against 0.31 GB/s in bfloat16), so the exact per-row test
+        (`_rows_finite`) runs only on a block whose sum is not finite."""
+        return block.sum(stream=stream)
 
     @staticmethod
     def _rows_finite(block, stream=None):
@@ -579,12 +598,19 @@ class _TensorWriter:
         finite = mx.isfinite(block, stream=stream)
         return finite.all(axis=tuple(range(1, block.ndim)), stream=stream) if block.ndim > 1 else finite
 
-    def _check(self, name, start: int, finite) -> None:
-        """Refuse a block (rows start.. of tensor `name`) holding NaN or Inf, naming the stored tensor: quantized,
-        a NaN would be hidden in its group's scale (making the whole group NaN), and written, it would change
-        tokens with no warning. It is raised before the output replaces the destination (nothing is left)."""
+    def _check(self, name, start: int, stop: int | None, total, out_dtype) -> None:
+        """Refuse a block (rows start..stop of tensor `name`) holding NaN or Inf, naming the stored tensor:
+        quantized, a NaN would be hidden in its group's scale (making the whole group NaN), and written, it
+        would change tokens with no warning. It is raised before the output replaces the destination (nothing
+        is left). `total` is the block's evaluated sum: when it is finite so is every value; when not, the block
+        is read again and tested value by value (large finite values may overflow a sum)."""
         import mlx.core as mx
 
+        if math.isfinite(total.item()):
+            return
+        block = self._block(name, None if stop is None else (start, stop), out_dtype)
+        finite = self._rows_finite(block)
+        mx.eval(finite)
         if finite.all().item():
             return
         row = start + (int(mx.argmin(finite.reshape(-1)).item()) if finite.ndim else 0)
@@ -597,9 +623,9 @@ class _TensorWriter:
         import mlx.core as mx
 
         for start, block in self._blocks(name, following, out_dtype):
-            finite = self._rows_finite(block)
-            mx.eval(block, finite)
-            self._check(name, start, finite)
+            total = self._total(block)
+            mx.eval(block, total)
+            self._check(name, start, _stop(start, block), total, out_dtype)
             yield tensor_bytes(block)
 
     def _quantize(self, name, following):
@@ -614,12 +640,12 @@ class _TensorWriter:
         while batch := list(itertools.islice(blocks, len(self.streams))):
             parts = [mx.quantize(block, group_size=t.group_size, bits=t.bits, stream=stream)
                      for (_, block), stream in zip(batch, self.streams)]
-            finite = [self._rows_finite(block, stream) for (_, block), stream in zip(batch, self.streams)]
-            starts = [start for start, _ in batch]
+            totals = [self._total(block, stream) for (_, block), stream in zip(batch, self.streams)]
+            spans = [(start, _stop(start, block)) for start, block in batch]
             del batch
-            mx.eval(parts, finite)
-            for start, rows_finite in zip(starts, finite):
-                self._check(name, start, rows_finite)
+            mx.eval(parts, totals)
+            for (start, stop), total in zip(spans, totals):
+                self._check(name, start, stop, total, self.dtype)
             for codes, block_scales, block_biases in parts:
                 scales.append(block_scales)
                 biases.append(block_biases)
