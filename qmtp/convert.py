@@ -65,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from . import digests as digests_mod
 from . import fixes as fixes_mod
 from . import layout
 from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json, shard_groups,
@@ -238,6 +239,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         fixes_mod.METADATA_KEY: json.dumps(list(done)),
         layout.QUANTIZATION_KEY: json.dumps(writer.record, separators=(",", ":")),
         "qmtp.source_digest": digest,
+        digests_mod.METADATA_KEY: digests_mod.FILE,
     }
 
     _remove_leftovers(dst)  # what an interrupted run left (only the lock holder writes these)
@@ -249,7 +251,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves; but the
         # cache counts in the peak, which should stay a few blocks whatever the largest tensor (issue 15).
         files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress,
-                               cache_limit=CACHE_PIECES * CHUNK_BYTES)
+                               cache_limit=CACHE_PIECES * CHUNK_BYTES)  # and the digests' side file
         config_out = dict(source.raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = dict(config_out["quantization"])
@@ -674,7 +676,8 @@ class _TensorWriter:
 
 def _write_weights(directory: Path, entries, metadata: dict, shards: int, progress: bool,
                    cache_limit: int | None = None) -> list[str]:
-    """Write the entries into one file, or `shards` files and an index; returns the file names.
+    """Write the entries into one file, or `shards` files and an index, and the digests of the bytes written
+    (`qmtp.digests`, hashed as they are written); returns the file names.
 
     The tensors are read and quantized on a worker thread a few pieces ahead of the writing (`_Pieces`), so a
     conversion keeps two cores busy and holds a few blocks of rows, not whole tensors. MLX keeps freed buffers
@@ -688,13 +691,19 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
                disable=not progress, dynamic_ncols=True)
     pieces = _Pieces([e[4] for e in entries])
     done = 0
+    whole, rows = {}, {}
 
     def counted(i):
         def run():
             nonlocal done
+            name, _, nbytes, shape, _ = entries[i]
+            stacked = digests_mod.is_stacked_experts(name) and len(shape) > 1 and shape[0]
+            digest = digests_mod.Stream(nbytes // shape[0] if stacked else None)
             for piece in pieces.of(i):
                 bar.update(piece.nbytes)
+                digest.update(piece)
                 yield piece
+            (rows if stacked else whole)[name] = digest.result()
             done += 1
             bar.set_postfix_str(f"{done}/{len(entries)} tensors", refresh=False)
         return run
@@ -720,6 +729,7 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
     if len(groups) > 1:
         write_index(directory, {entries[i][0]: file for file, group in zip(files, groups) for i in group},
                     sum(e[2] for e in entries), format="mlx")
+    digests_mod.write(directory, whole, rows)
     return files
 
 
