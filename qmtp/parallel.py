@@ -21,6 +21,7 @@ pass's experts, plus that first expert at most.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 from dataclasses import dataclass
@@ -133,21 +134,22 @@ def _file_digest(path: Path) -> bytes:
         return digests.of(b"unreadable\0" + str(err).encode())
 
 
-def _gather(group, values: list[bytes], what: str) -> list[list[bytes]]:
-    """Every rank's `values` (each digests.SIZE bytes; the same count on every rank), in rank order.
+def _gather(group, values: np.ndarray, what: str) -> np.ndarray:
+    """Every rank's `values` ([n, digests.SIZE] uint8, the same n on every rank) as [ranks, n, digests.SIZE].
 
     Each rank sends a marker first: a rank that stopped before the collective (which MLX's ring backend may
     read as zeros, not as an error) is then named as gone, never taken for a rank holding other bytes."""
     _, size = world(group)
-    mine = mx.array(np.frombuffer(TAKING_PART + b"".join(values), dtype=np.int32))
-    every = np.array(mx.distributed.all_gather(mine, group=group).reshape(size, -1)).tobytes()
-    row = len(every) // size
-    gone = [r for r in range(size) if every[r * row: r * row + len(TAKING_PART)] != TAKING_PART]
+    sent = np.concatenate([np.frombuffer(TAKING_PART, np.uint8), values.reshape(-1)]).view(np.int32)
+    every = np.array(mx.distributed.all_gather(mx.array(sent), group=group)).view(np.uint8).reshape(size, -1)
+    gone = [r for r in range(size) if every[r, :len(TAKING_PART)].tobytes() != TAKING_PART]
     if gone:
         raise DistributedError(f"rank {gone[0]} did not take part in comparing {what} (it stopped?)")
-    start = len(TAKING_PART)
-    return [[every[r * row + start + i * digests.SIZE: r * row + start + (i + 1) * digests.SIZE]
-             for i in range(len(values))] for r in range(size)]
+    return every[:, len(TAKING_PART):].reshape(size, -1, digests.SIZE)
+
+
+def _as_rows(values: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(values), np.uint8).reshape(len(values), digests.SIZE)
 
 
 def same_files(group, source, settings: tuple) -> None:
@@ -159,12 +161,12 @@ def same_files(group, source, settings: tuple) -> None:
     source.ckpt.hash_headers(headers)
     items.append(("the safetensors headers (tensor names, shapes, dtypes, file names)", headers.digest()[:digests.SIZE]))
     items.append(("the load's settings (dtype, layers, head, fixes)", digests.of(repr(settings).encode())))
-    every = _gather(group, [digest for _, digest in items], "checkpoint files")
+    every = _gather(group, _as_rows([digest for _, digest in items]), "checkpoint files")
+    absent = ~every.any(axis=2)  # [ranks, items]
     for i, (label, _) in enumerate(items):
-        odd = next((r for r in range(1, size) if every[r][i] != every[0][i]), None)
+        odd = next((r for r in range(1, size) if (every[r, i] != every[0, i]).any()), None)
         if odd is not None:
-            where = (f" (missing on rank {odd})" if every[odd][i] == ABSENT else
-                     " (missing on rank 0)" if every[0][i] == ABSENT else "")
+            where = (f" (missing on rank {odd})" if absent[odd, i] else " (missing on rank 0)" if absent[0, i] else "")
             raise DistributedError(f"the {size} ranks did not open the same checkpoint: {label} "
                                    f"differs between rank 0 and rank {odd}{where}: give every rank the same model "
                                    f"directory")
@@ -188,8 +190,9 @@ class Holdings:
         for name in names:
             for row in (range(shard.n_experts) if is_routed_expert(name) else (None,)):
                 self.units[(name, row)] = len(self.units)
-        self.computed: list = [None] * len(self.units)
-        self.pending: list = []  # (future, bytes) in submission order
+        self.computed = np.zeros((len(self.units), digests.SIZE), np.uint8)  # zeros: not read by this rank
+        self.pending = collections.deque()  # (future, bytes) in submission order
+        self.pending_bytes = 0
         self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="qmtp-digest")
 
     @property
@@ -204,12 +207,16 @@ class Holdings:
         units = [self.units[(name, row)] for row in first]
         task = digests.rows_of if rows is not None else (lambda data, _: [digests.of(data)])
         self.pending.append((self.pool.submit(self._hash, task, view, len(units), units), len(view)))
-        while sum(size for _, size in self.pending) > PENDING_BYTES:
-            self.pending.pop(0)[0].result()
+        self.pending_bytes += len(view)
+        # done hashes let their bytes go; past PENDING_BYTES the reader waits for the oldest
+        while self.pending and (self.pending[0][0].done() or self.pending_bytes > PENDING_BYTES):
+            future, size = self.pending.popleft()
+            future.result()
+            self.pending_bytes -= size
 
     def _hash(self, task, view, count: int, units: list[int]) -> None:
         for unit, digest in zip(units, task(view, count)):
-            self.computed[unit] = digest
+            self.computed[unit] = np.frombuffer(digest, np.uint8)
 
     def add_others(self, reader, name: str, recipe) -> None:
         """For `reads_every_expert`: read and hash the other ranks' blocks of routed expert stack `name`."""
@@ -220,53 +227,41 @@ class Holdings:
             self.add(name, raw, rows)
 
     def close(self) -> None:
-        for future, _ in self.pending:
-            future.result()
-        self.pending.clear()
+        while self.pending:
+            self.pending.popleft()[0].result()
+        self.pending_bytes = 0
         self.pool.shutdown()
 
     def _stored(self, name: str, row: int | None) -> str:
         recipe = self.source.plan.recipes[name]
         return recipe.sources[row] if recipe.op == "stack" and row is not None else recipe.sources[0]
 
-    def _expected(self, name: str, row: int | None) -> bytes:
-        recipe = self.source.plan.recipes[name]
-        if recipe.op != "copy":
-            raise CheckpointError(f"{self.manifest.path}: records the digests of stored tensors, but {name} is made "
-                                  f"from {recipe}: the folder mixes a conversion's digests with another layout")
-        stored = recipe.sources[0]
-        return self.manifest.whole(stored) if row is None else self.manifest.row(stored, row)
+    def _expected(self) -> np.ndarray:
+        """The recorded digest of every unit, [units, digests.SIZE]."""
+        expected = []
+        for name, row in self.units:
+            recipe = self.source.plan.recipes[name]
+            if recipe.op != "copy":
+                raise CheckpointError(f"{self.manifest.path}: records the digests of stored tensors, but {name} is "
+                                      f"made from {recipe}: the folder mixes a conversion's digests with another layout")
+            stored = recipe.sources[0]
+            expected.append(self.manifest.whole(stored) if row is None else self.manifest.row(stored, row))
+        return _as_rows(expected)
 
     def agree(self, group) -> None:
         """A DistributedError on every rank, naming the first tensor (and expert) and the rank, when a rank's bytes
         differ from the recorded digests, or (none recorded) from rank 0's."""
         self.close()
         _, size = world(group)
-        every = _gather(group, [digest or ABSENT for digest in self.computed], "tensor digests")
-        for (name, row), unit in self.units.items():
-            expected = every[0][unit] if self.manifest is None else self._expected(name, row)
-            odd = next((r for r in range(size) if every[r][unit] not in (ABSENT, expected)), None)
-            if odd is not None:
-                against = "rank 0's" if self.manifest is None else f"the digest {digests.FILE} records"
-                expert = "" if row is None else f" (expert {row})"
-                raise DistributedError(
-                    f"the {size} ranks did not open the same checkpoint: rank {odd} holds "
-                    f"other bytes than {against} in tensor {self._stored(name, row)}{expert}: give every rank the "
-                    f"same model directory")
-
-
-def rank0_decides(shard: ExpertShard | None):
-    """For a loop whose end depends on a timing (which differs between ranks): None in one process, else a
-    function from this rank's value (a number or a bool) to rank 0's, which every rank then follows."""
-    if shard is None:
-        return None
-    return lambda value: broadcast([value], shard.group)[0]
-
-
-def broadcast(values, group, dtype=mx.float32) -> list:
-    """Rank 0's `values` (a list of numbers) on every rank: every other rank sends zeros, so the sum is rank 0's."""
-    rank, _ = world(group)
-    sent = mx.array(values, dtype=dtype)
-    if rank:
-        sent = mx.zeros_like(sent)
-    return mx.distributed.all_sum(sent, group=group).tolist()
+        every = _gather(group, self.computed, "tensor digests")
+        expected = every[0] if self.manifest is None else self._expected()
+        wrong = every.any(axis=2) & (every != expected[None]).any(axis=2)  # [ranks, units]: read, and not as expected
+        if not wrong.any():
+            return
+        unit, odd = (int(i) for i in np.argwhere(wrong.T)[0])  # the first unit, then the first rank
+        name, row = list(self.units)[unit]
+        against = "rank 0's" if self.manifest is None else f"the digest {digests.FILE} records"
+        expert = "" if row is None else f" (expert {row})"
+        raise DistributedError(
+            f"the {size} ranks did not open the same checkpoint: rank {odd} holds other bytes than {against} in "
+            f"tensor {self._stored(name, row)}{expert}: give every rank the same model directory")
