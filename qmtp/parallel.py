@@ -265,3 +265,20 @@ class Holdings:
         raise DistributedError(
             f"the {size} ranks did not open the same checkpoint: rank {odd} holds other bytes than {against} in "
             f"tensor {self._stored(name, row)}{expert}: give every rank the same model directory")
+
+
+def rank0_decides(shard: ExpertShard | None):
+    """For a loop whose end depends on a timing (which differs between ranks): None in one process, else a
+    function from this rank's value (a number or a bool) to rank 0's, which every rank then follows."""
+    if shard is None:
+        return None
+    return lambda value: broadcast([value], shard.group)[0]
+
+
+def broadcast(values, group, dtype=mx.float32) -> list:
+    """Rank 0's `values` (a list of numbers) on every rank: every other rank sends zeros, so the sum is rank 0's."""
+    rank, _ = world(group)
+    sent = mx.array(values, dtype=dtype)
+    if rank:
+        sent = mx.zeros_like(sent)
+    return mx.distributed.all_sum(sent, group=group).tolist()
