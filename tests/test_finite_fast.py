@@ -7,6 +7,7 @@ of a tensor and of the file's data, on the quantized path (experts, embeddings) 
 """
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,3 +100,18 @@ def test_large_finite_values_that_overflow_a_sum_are_converted(source, tmp_path)
             poke(copy, name, element, LARGE[dtype])
     conversion = convert(copy, tmp_path / "out", bits=4, group_size=32, progress=False)
     assert conversion.path.is_dir()
+
+
+def test_bench_convert_times_another_checkout_in_the_same_rounds(tmp_path):
+    from qmtp.book import bench_convert
+
+    versions = {"before-check": tmp_path / "checkout"}
+    commands = bench_convert.commands(Path("src"), Path("out"), 4, 64, versions)
+    assert commands["qmtp@before-check"] == commands["qmtp"]  # the same command, another qmtp on the path
+    assert bench_convert.environment("qmtp@before-check", versions)["PYTHONPATH"] == str(versions["before-check"].resolve())
+    assert bench_convert.environment("qmtp", versions) is None
+    runs = {"cp": [{"seconds": 1.0}], "qmtp": [{"seconds": 3.0}], "qmtp@before-check": [{"seconds": 2.0}]}
+    tools = {t: {"seconds": r[0]["seconds"], "runs": r} for t, r in runs.items()}
+    ratios = bench_convert._ratios(tools)
+    assert ratios["qmtp_time_over_qmtp@before-check"] == 1.5 and ratios["qmtp_time_over_cp"] == 3.0
+    assert ratios["qmtp_time_over_qmtp@before-check_per_round"] == [1.5]
