@@ -50,6 +50,7 @@ import errno
 import hashlib
 import itertools
 import json
+import math
 import os
 import queue
 import shutil
@@ -64,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from . import digests as digests_mod
 from . import fixes as fixes_mod
 from . import layout
 from .checkpoint import (DTYPES, INDEX_NAME, Checkpoint, open_regular, read_json, shard_groups,
@@ -237,6 +239,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         fixes_mod.METADATA_KEY: json.dumps(list(done)),
         layout.QUANTIZATION_KEY: json.dumps(writer.record, separators=(",", ":")),
         "qmtp.source_digest": digest,
+        digests_mod.METADATA_KEY: digests_mod.FILE,
     }
 
     _remove_leftovers(dst)  # what an interrupted run left (only the lock holder writes these)
@@ -248,7 +251,7 @@ def _convert_locked(source, dst, force, lock, started, fix_plan, bits, group_siz
         # Freed buffers kept for reuse: fresh pages cost more system time than the copies themselves; but the
         # cache counts in the peak, which should stay a few blocks whatever the largest tensor (issue 15).
         files = _write_weights(tmp, writer.entries, metadata, shards or 1, progress,
-                               cache_limit=CACHE_PIECES * CHUNK_BYTES)
+                               cache_limit=CACHE_PIECES * CHUNK_BYTES)  # and the digests' side file
         config_out = dict(source.raw_config)
         config_out["quantization"] = writer.quantization_block(bits, group_size)
         config_out["quantization_config"] = dict(config_out["quantization"])
@@ -514,6 +517,11 @@ def _flush_to_disk(directory: Path) -> None:
         os.close(descriptor)
 
 
+def _stop(start: int, block) -> int | None:
+    """The row after the last of `block` (rows start.. of its tensor); None for a scalar tensor's one block."""
+    return start + block.shape[0] if block.ndim else None
+
+
 class _TensorWriter:
     """The output tensors as (name, dtype, nbytes, shape, produce) entries; `produce()` yields the tensor's
     bytes in pieces, a block of about CHUNK_BYTES of its rows at a time, so no tensor is ever whole in memory.
@@ -552,24 +560,37 @@ class _TensorWriter:
 
     def _blocks(self, name, following, out_dtype):
         """The tensor `name`, fixed and in `out_dtype`, as consecutive blocks of rows of its first axis, each
-        read from the source on its own, with the first row of each: (start, block). Cutting there changes no byte: both fixes act on each row alone (the
-        norm shift elementwise, the conv kernel on its last two axes) and every quantization group lies within
-        a row."""
-        import mlx.core as mx
-
-        recipe, shape = self.plan.recipes[name], self.policy[name].shape
-        dtype = getattr(mx, DTYPES[out_dtype][1])
+        read from the source on its own, with the first row of each: (start, block). Cutting there changes no
+        byte: both fixes act on each row alone (the norm shift elementwise, the conv kernel on its last two axes)
+        and every quantization group lies within a row."""
+        shape = self.policy[name].shape
         if not shape:  # a scalar: one block
-            yield 0, fixes_mod.apply(name, self.reader.materialise(recipe), self.applying).astype(dtype)
+            yield 0, self._block(name, None, out_dtype)
         else:
             row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * DTYPES[out_dtype][2]
             step = max(1, CHUNK_BYTES // max(1, row_bytes))
             for start in range(0, shape[0], step):
-                rows = (start, min(shape[0], start + step))
-                yield start, fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
+                yield start, self._block(name, (start, min(shape[0], start + step)), out_dtype)
         # Keep a stored tensor read for slicing only while the next output tensor slices it too.
+        recipe = self.plan.recipes[name]
         if following is None or self.plan.recipes[following].sources[0] != recipe.sources[0]:
             self.reader.forget()
+
+    def _block(self, name, rows, out_dtype):
+        """Rows `rows` (start, stop; None: a scalar tensor whole) of tensor `name`, fixed, in `out_dtype` (lazy)."""
+        import mlx.core as mx
+
+        dtype = getattr(mx, DTYPES[out_dtype][1])
+        recipe = self.plan.recipes[name]
+        return fixes_mod.apply(name, self.reader.materialise(recipe, rows), self.applying).astype(dtype)
+
+    @staticmethod
+    def _total(block, stream=None):
+        """The sum of `block` (lazy): NaN or infinite when the block holds a NaN or an Inf, since IEEE sums
+        propagate them, and finite otherwise unless large finite values overflowed it. A sum runs about nine
+        times as fast as `isfinite` on the CPU (2.8 against 0.31 GB/s in bfloat16), so the exact per-row test
+        (`_rows_finite`) runs only on a block whose sum is not finite."""
+        return block.sum(stream=stream)
 
     @staticmethod
     def _rows_finite(block, stream=None):
@@ -579,12 +600,19 @@ class _TensorWriter:
         finite = mx.isfinite(block, stream=stream)
         return finite.all(axis=tuple(range(1, block.ndim)), stream=stream) if block.ndim > 1 else finite
 
-    def _check(self, name, start: int, finite) -> None:
-        """Refuse a block (rows start.. of tensor `name`) holding NaN or Inf, naming the stored tensor: quantized,
-        a NaN would be hidden in its group's scale (making the whole group NaN), and written, it would change
-        tokens with no warning. It is raised before the output replaces the destination (nothing is left)."""
+    def _check(self, name, start: int, stop: int | None, total, out_dtype) -> None:
+        """Refuse a block (rows start..stop of tensor `name`) holding NaN or Inf, naming the stored tensor:
+        quantized, a NaN would be hidden in its group's scale (making the whole group NaN), and written, it
+        would change tokens with no warning. It is raised before the output replaces the destination (nothing
+        is left). `total` is the block's evaluated sum: when it is finite so is every value; when not, the block
+        is read again and tested value by value (large finite values may overflow a sum)."""
         import mlx.core as mx
 
+        if math.isfinite(total.item()):
+            return
+        block = self._block(name, None if stop is None else (start, stop), out_dtype)
+        finite = self._rows_finite(block)
+        mx.eval(finite)
         if finite.all().item():
             return
         row = start + (int(mx.argmin(finite.reshape(-1)).item()) if finite.ndim else 0)
@@ -597,9 +625,9 @@ class _TensorWriter:
         import mlx.core as mx
 
         for start, block in self._blocks(name, following, out_dtype):
-            finite = self._rows_finite(block)
-            mx.eval(block, finite)
-            self._check(name, start, finite)
+            total = self._total(block)
+            mx.eval(block, total)
+            self._check(name, start, _stop(start, block), total, out_dtype)
             yield tensor_bytes(block)
 
     def _quantize(self, name, following):
@@ -614,12 +642,12 @@ class _TensorWriter:
         while batch := list(itertools.islice(blocks, len(self.streams))):
             parts = [mx.quantize(block, group_size=t.group_size, bits=t.bits, stream=stream)
                      for (_, block), stream in zip(batch, self.streams)]
-            finite = [self._rows_finite(block, stream) for (_, block), stream in zip(batch, self.streams)]
-            starts = [start for start, _ in batch]
+            totals = [self._total(block, stream) for (_, block), stream in zip(batch, self.streams)]
+            spans = [(start, _stop(start, block)) for start, block in batch]
             del batch
-            mx.eval(parts, finite)
-            for start, rows_finite in zip(starts, finite):
-                self._check(name, start, rows_finite)
+            mx.eval(parts, totals)
+            for (start, stop), total in zip(spans, totals):
+                self._check(name, start, stop, total, self.dtype)
             for codes, block_scales, block_biases in parts:
                 scales.append(block_scales)
                 biases.append(block_biases)
@@ -648,7 +676,8 @@ class _TensorWriter:
 
 def _write_weights(directory: Path, entries, metadata: dict, shards: int, progress: bool,
                    cache_limit: int | None = None) -> list[str]:
-    """Write the entries into one file, or `shards` files and an index; returns the file names.
+    """Write the entries into one file, or `shards` files and an index, and the digests of the bytes written
+    (`qmtp.digests`, hashed as they are written); returns the file names.
 
     The tensors are read and quantized on a worker thread a few pieces ahead of the writing (`_Pieces`), so a
     conversion keeps two cores busy and holds a few blocks of rows, not whole tensors. MLX keeps freed buffers
@@ -662,13 +691,19 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
                disable=not progress, dynamic_ncols=True)
     pieces = _Pieces([e[4] for e in entries])
     done = 0
+    whole, rows = {}, {}
 
     def counted(i):
         def run():
             nonlocal done
+            name, _, nbytes, shape, _ = entries[i]
+            stacked = digests_mod.is_stacked_experts(name) and len(shape) > 1 and shape[0]
+            digest = digests_mod.Stream(nbytes // shape[0] if stacked else None)
             for piece in pieces.of(i):
                 bar.update(piece.nbytes)
+                digest.update(piece)
                 yield piece
+            (rows if stacked else whole)[name] = digest.result()
             done += 1
             bar.set_postfix_str(f"{done}/{len(entries)} tensors", refresh=False)
         return run
@@ -694,6 +729,7 @@ def _write_weights(directory: Path, entries, metadata: dict, shards: int, progre
     if len(groups) > 1:
         write_index(directory, {entries[i][0]: file for file, group in zip(files, groups) for i in group},
                     sum(e[2] for e in entries), format="mlx")
+    digests_mod.write(directory, whole, rows)
     return files
 
 

@@ -76,61 +76,27 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     of every MoE layer, everything else whole; `generate` on the result returns, on every rank, the tokens of
     one process. Every rank must call `load` with the same arguments on the same checkpoint: a
     `parallel.DistributedError` on every rank when they did not, or when the E experts do not split evenly.
+    Before the first token every rank proves it holds the same model: the ranks compare config.json, the
+    tokenizer files, chat template, generation config and the safetensors headers by name, and each hashes the
+    bytes of every tensor it loads (sha256, beside the reading), checked against the digests a qmtp conversion
+    recorded (`qmtp.digests`); a checkpoint without them is checked against rank 0, which then also reads the
+    other ranks' experts (the whole checkpoint once). The error names the file, or the tensor, expert and rank.
     A group of one rank (or None) loads the whole model.
     """
     release_at_thread_exit()
     path = resolve_path(path)
-    requested = fixes_mod.validate(fixes)
-    if dtype is not None and not isinstance(dtype, mx.Dtype):
-        raise UsageError(f"dtype={dtype!r}: give an MLX dtype such as mlx.core.float16 (not a string)")
-    if dtype is not None and not mx.issubdtype(dtype, mx.floating):
-        raise UsageError(f"dtype={dtype}: weights are computed in a floating-point dtype (float32, float16, bfloat16)")
-    for flag, value in (("head", head), ("tokenizer", tokenizer)):
-        if not isinstance(value, bool):
-            raise UsageError(f"{flag}={value!r} must be True or False")
-    if layers is not None:
-        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral):
-            raise UsageError(f"layers={layers!r}: give a number of trunk layers (an int), or None for all of them")
-        layers = int(layers)
-        if layers < 1:
-            raise UsageError(f"layers={layers}: give at least 1 trunk layer, or None for all of them")
-    if group is not None:
-        parallel.world(group)  # a group, or a DistributedError before anything is read
+    requested, layers = _check_arguments(fixes, dtype, head, tokenizer, layers, group)
     requested_dtype, dtype = dtype, dtype or default_dtype()
     source = Source.open(path, layers=layers)
-    config, ckpt, plan = source.config, source.ckpt, source.plan
+    config = source.config
     shard = None
     if group is not None and group.size() > 1:
         # First, before any check that could fail on one rank only: every rank learns whether all opened the same
-        # checkpoint with the same settings, and all raise together when not (a rank that raised alone would
+        # checkpoint files with the same settings, and all raise together when not (a rank that raised alone would
         # leave the others waiting in the model's first collective).
-        settings = (str(requested_dtype), layers, head, tuple(requested), group.size())
-        parallel.agree(group, parallel.fingerprint(source, settings), f"checkpoint ({path.name})")
+        parallel.same_files(group, source, (str(requested_dtype), layers, head, tuple(requested), group.size()))
         shard = parallel.ExpertShard.of(group, config.num_experts)
-    source.require_declared()  # before the shapes: a short config is the cause, not what follows from it
-    widths = source.widths
-    source.require_trunk()
-    status = source.head_status() if head else None  # head=False: the head is neither loaded nor checked
-    with_head = status in (HEAD_FULL, HEAD_SHARED_ONLY)
-    head_routed = status == HEAD_FULL
-    if status == HEAD_SHARED_ONLY:
-        warnings.warn(
-            f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
-            f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
-            f"that of the complete head.",
-            stacklevel=2,
-        )
-
-    fix_plan = source.fix_plan(requested)  # a record the tensors contradict is not believed
-    if config.tie_word_embeddings and any(layout.internal_name(n) == "lm_head.weight" for n in ckpt.names()):
-        warnings.warn(f"{path}: config.json says tie_word_embeddings: true, but the checkpoint stores its own "
-                      f"lm_head; following the config, lm_head is not used and embed_tokens scores the tokens",
-                      stacklevel=2)
-
-    model = Model(config, head=with_head, head_routed_experts=head_routed)
-    if shard is not None:  # before the quantized twins are made: they take the held stacks' shapes
-        parallel.hold_experts(model, shard)
-    quantize_layers(model, widths)
+    model, fix_plan = _model_for(source, head, requested, shard)
     # Before any weight is read: past the memory there is, a load ends in the OOM killer or a segfault.
     dtype = _dtype_that_fits(model, dtype, chosen=requested_dtype is None, path=path)
     # Stored in bfloat16 only for lack of memory, the weights are still computed in float32: the norms (a
@@ -138,32 +104,16 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     # quantized matmul with bfloat16 scales runs as fast as with float32 ones when its input is float32,
     # and several times slower when it is bfloat16.
     compute_float32 = requested_dtype is None and dtype == mx.bfloat16 and default_dtype() == mx.float32
-    reader = layout.Reader(ckpt, config)
-    wanted = set(_flat_names(model))
-    weights, checked, flags = [], [], []
-    for name, recipe in plan.recipes.items():
-        if name not in wanted:
-            continue  # head tensors when the head is not loaded
-        # a rank reads only its block of each routed expert stack (its rows of the first axis)
-        rows = shard.rows if shard is not None and parallel.is_routed_expert(name) else None
-        w = fixes_mod.apply(name, reader.materialise(recipe, rows), fix_plan.applying)
-        finite = None
-        if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
-            kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
-            w = w.astype(mx.float32 if kept else dtype)
-            if is_small_critical(name):  # one NaN here changes every token: refuse it by name
-                finite = mx.isfinite(w).all()
-                checked.append(recipe.sources[0])
-                flags.append(finite)
-        mx.eval(w) if finite is None else mx.eval(w, finite)
-        weights.append((name, w))
-    # Read back together: one host read for all the flags (a few hundred at full size)
-    bad = next((stored for stored, ok in zip(checked, mx.stack(flags).tolist() if flags else []) if not ok), None)
-    if bad is not None:
-        raise source.nonfinite_error(bad)
-    loaded = {name for name, _ in weights}
-    if loaded != wanted:
-        absent = sorted(wanted - loaded)
+    names = set(_flat_names(model))
+    wanted = [name for name in source.plan.recipes if name in names]  # head tensors only when the head is loaded
+    holdings = parallel.Holdings(source, shard, wanted) if shard is not None else None
+    try:
+        weights = _read_weights(source, wanted, fix_plan, dtype, compute_float32, shard, holdings)
+    finally:
+        if holdings is not None:
+            holdings.close()
+    if len(wanted) != len(names):
+        absent = sorted(names - set(wanted))
         raise CheckpointError(f"{path}: no tensor for {absent[0]} ({len(absent)} missing)")
     # update(), not load_weights(): with fixes=() the raw conv kernel keeps its stored [C, 1, K] shape, so
     # the chapter on the fixes can show what MLX does with it.
@@ -187,6 +137,94 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     source.check_unchanged()
     source.ckpt.close()
     return model
+
+
+def _check_arguments(fixes, dtype, head, tokenizer, layers, group) -> tuple[tuple[str, ...], int | None]:
+    """`load`'s arguments checked before anything is read: (the fixes asked for, layers as an int or None)."""
+    requested = fixes_mod.validate(fixes)
+    if dtype is not None and not isinstance(dtype, mx.Dtype):
+        raise UsageError(f"dtype={dtype!r}: give an MLX dtype such as mlx.core.float16 (not a string)")
+    if dtype is not None and not mx.issubdtype(dtype, mx.floating):
+        raise UsageError(f"dtype={dtype}: weights are computed in a floating-point dtype (float32, float16, bfloat16)")
+    for flag, value in (("head", head), ("tokenizer", tokenizer)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{flag}={value!r} must be True or False")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral):
+            raise UsageError(f"layers={layers!r}: give a number of trunk layers (an int), or None for all of them")
+        layers = int(layers)
+        if layers < 1:
+            raise UsageError(f"layers={layers}: give at least 1 trunk layer, or None for all of them")
+    if group is not None:
+        parallel.world(group)  # a group, or a DistributedError before anything is read
+    return requested, layers
+
+
+def _model_for(source: Source, head: bool, requested, shard) -> tuple[Model, fixes_mod.FixPlan]:
+    """The checks of what the checkpoint holds (the order decides which error comes first), then the model of
+    placeholders it loads into (this rank's experts only, quantized layers at their widths) and the fixes."""
+    path, config = source.path, source.config
+    source.require_declared()  # before the shapes: a short config is the cause, not what follows from it
+    widths = source.widths
+    source.require_trunk()
+    status = source.head_status() if head else None  # head=False: the head is neither loaded nor checked
+    if status == HEAD_SHARED_ONLY:
+        warnings.warn(
+            f"{path}: the MTP head has NO routed experts (mtp.layers.0.mlp.experts.* absent): it will draft "
+            f"with its shared expert only, as crippled conversions ship it. Acceptance will be far below "
+            f"that of the complete head.",
+            stacklevel=3,
+        )
+    fix_plan = source.fix_plan(requested)  # a record the tensors contradict is not believed
+    if config.tie_word_embeddings and any(layout.internal_name(n) == "lm_head.weight" for n in source.ckpt.names()):
+        warnings.warn(f"{path}: config.json says tie_word_embeddings: true, but the checkpoint stores its own "
+                      f"lm_head; following the config, lm_head is not used and embed_tokens scores the tokens",
+                      stacklevel=3)
+    model = Model(config, head=status in (HEAD_FULL, HEAD_SHARED_ONLY), head_routed_experts=status == HEAD_FULL)
+    if shard is not None:  # before the quantized twins are made: they take the held stacks' shapes
+        parallel.hold_experts(model, shard)
+    quantize_layers(model, widths)
+    return model, fix_plan
+
+
+def _read_weights(source: Source, wanted: list[str], fix_plan, dtype, compute_float32: bool, shard,
+                  holdings) -> list[tuple[str, mx.array]]:
+    """The weights `wanted` (internal names, in the plan's order), fixed and cast, as (name, array) pairs.
+
+    A NaN or Inf in a small tensor where one value changes every token is refused by name. On a rank of a group,
+    every tensor's bytes as stored are hashed as they are read (`holdings`), and the ranks agree that they hold
+    the same model before that refusal, which then comes from every rank alike."""
+    reader = layout.Reader(source.ckpt, source.config)
+    weights, checked, flags = [], [], []
+    for name in wanted:
+        recipe = source.plan.recipes[name]
+        # a rank reads only its block of each routed expert stack (its rows of the first axis)
+        rows = shard.rows if shard is not None and parallel.is_routed_expert(name) else None
+        raw = reader.materialise(recipe, rows)
+        if holdings is not None:
+            mx.eval(raw)
+            holdings.add(name, raw, rows)
+            if rows is not None and holdings.reads_every_expert:
+                holdings.add_others(reader, name, recipe)
+        w = fixes_mod.apply(name, raw, fix_plan.applying)
+        del raw
+        finite = None
+        if mx.issubdtype(w.dtype, mx.floating):  # quantized codes stay uint32
+            kept = keeps_float32(name) or (compute_float32 and name.endswith("norm.weight"))
+            w = w.astype(mx.float32 if kept else dtype)
+            if is_small_critical(name):  # one NaN here changes every token: refuse it by name
+                finite = mx.isfinite(w).all()
+                checked.append(recipe.sources[0])
+                flags.append(finite)
+        mx.eval(w) if finite is None else mx.eval(w, finite)
+        weights.append((name, w))
+    if holdings is not None:
+        holdings.agree(shard.group)
+    # Read back together: one host read for all the flags (a few hundred at full size)
+    bad = next((stored for stored, ok in zip(checked, mx.stack(flags).tolist() if flags else []) if not ok), None)
+    if bad is not None:
+        raise source.nonfinite_error(bad)
+    return weights
 
 
 def _dtype_that_fits(model: Model, dtype, chosen: bool, path: Path):

@@ -21,14 +21,18 @@ pass's experts, plus that first expert at most.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
-import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
-from .errors import QmtpError
+from . import digests
+from .checkpoint import open_regular, tensor_bytes
+from .errors import CheckpointError, QmtpError
 
 # Internal names of the routed experts' stacked weights (and their quantization scales and biases), trunk and head
 ROUTED_EXPERTS = ".mlp.experts."
@@ -107,36 +111,160 @@ def hold_experts(model, shard: ExpertShard) -> None:
             module.shard = shard
 
 
-# ---- every rank must have opened the same checkpoint -----------------------------------------------------------
-SAMPLE_BYTES = 4096  # of each file's tensor data: two conversions with the same shapes differ there
+# ---- every rank must hold the same model -----------------------------------------------------------------------
+# What the ranks compare byte for byte before any weight is read: every file that decides the model's tokens (the
+# config, the tokenizer, its template and generation config, the digests a conversion recorded) by name, each one
+# digested; then the safetensors headers and the load's own settings.
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+              "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+              digests.FILE)
+ABSENT = bytes(digests.SIZE)  # the digest of a file a rank does not have
+TAKING_PART = b"qmtp:same-model!"  # what every rank sends first in a comparison (16 bytes)
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # hashlib releases the GIL: hashing beside the reading
+PENDING_BYTES = 256 << 20  # tensor bytes kept alive for hashing at most, past which the reader waits
 
 
-def fingerprint(source, settings: tuple) -> bytes:
-    """sha256 of what must agree across ranks: config.json as stored, each file's name and header, the first
-    bytes of each file's tensor data, and the load's own settings (dtype, layers, head, fixes)."""
-    digest = hashlib.sha256()
-    digest.update((source.path / "config.json").read_bytes())
-    ckpt = source.ckpt
-    ckpt.hash_headers(digest)
-    for file in sorted(ckpt.files, key=lambda f: f.name):
-        fd = ckpt._open[file].fileno()
-        (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        digest.update(os.pread(fd, SAMPLE_BYTES, 8 + length))
-    digest.update(repr(settings).encode())
-    return digest.digest()
+def _file_digest(path: Path) -> bytes:
+    if not (path.exists() or path.is_symlink()):
+        return ABSENT
+    try:
+        with open_regular(path) as f:
+            return digests.of(f.read())
+    except (QmtpError, OSError) as err:  # told apart from any readable file, on every rank together
+        return digests.of(b"unreadable\0" + str(err).encode())
 
 
-def agree(group, digest: bytes, what: str) -> None:
-    """Every rank sends its digest to every other; a DistributedError on every rank when they differ (each rank
-    sees the same gathered digests, so each raises the same error, and none waits on the others)."""
-    rank, size = world(group)
-    mine = mx.array(list(digest), dtype=mx.int32)
-    every = mx.distributed.all_gather(mine, group=group).reshape(size, -1).tolist()
-    odd = [r for r, d in enumerate(every) if d != every[0]]
-    if odd:
+def _gather(group, values: np.ndarray, what: str) -> np.ndarray:
+    """Every rank's `values` ([n, digests.SIZE] uint8, the same n on every rank) as [ranks, n, digests.SIZE].
+
+    Each rank sends a marker first: a rank that stopped before the collective (which MLX's ring backend may
+    read as zeros, not as an error) is then named as gone, never taken for a rank holding other bytes."""
+    _, size = world(group)
+    sent = np.concatenate([np.frombuffer(TAKING_PART, np.uint8), values.reshape(-1)]).view(np.int32)
+    every = np.array(mx.distributed.all_gather(mx.array(sent), group=group)).view(np.uint8).reshape(size, -1)
+    gone = [r for r in range(size) if every[r, :len(TAKING_PART)].tobytes() != TAKING_PART]
+    if gone:
+        raise DistributedError(f"rank {gone[0]} did not take part in comparing {what} (it stopped?)")
+    return every[:, len(TAKING_PART):].reshape(size, -1, digests.SIZE)
+
+
+def _as_rows(values: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(values), np.uint8).reshape(len(values), digests.SIZE)
+
+
+def same_files(group, source, settings: tuple) -> None:
+    """A DistributedError on every rank, naming the file, when the ranks' side files (SIDE_FILES), safetensors
+    headers or load settings differ. Called before anything that could fail on one rank only."""
+    _, size = world(group)
+    items = [(name, _file_digest(source.path / name)) for name in SIDE_FILES]
+    headers = hashlib.sha256()
+    source.ckpt.hash_headers(headers)
+    items.append(("the safetensors headers (tensor names, shapes, dtypes, file names)", headers.digest()[:digests.SIZE]))
+    items.append(("the load's settings (dtype, layers, head, fixes)", digests.of(repr(settings).encode())))
+    every = _gather(group, _as_rows([digest for _, digest in items]), "checkpoint files")
+    absent = ~every.any(axis=2)  # [ranks, items]
+    for i, (label, _) in enumerate(items):
+        odd = next((r for r in range(1, size) if (every[r, i] != every[0, i]).any()), None)
+        if odd is not None:
+            where = (f" (missing on rank {odd})" if absent[odd, i] else " (missing on rank 0)" if absent[0, i] else "")
+            raise DistributedError(f"the {size} ranks did not open the same checkpoint: {label} "
+                                   f"differs between rank 0 and rank {odd}{where}: give every rank the same model "
+                                   f"directory")
+
+
+class Holdings:
+    """The digests of the tensor bytes this rank loads, and the check that every rank holds the same model.
+
+    A unit is one tensor, or one expert of a routed expert stack. A conversion's recorded digests (`qmtp.digests`)
+    are what every rank's units must match; a checkpoint without them (the release, the bundled model) has only
+    its ranks to compare: rank 0 then also reads and hashes the experts the other ranks hold (reading the whole
+    checkpoint once; the others read their share), and every rank's units must match rank 0's.
+    """
+
+    def __init__(self, source, shard: ExpertShard, names: list[str]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.shard = source, shard
+        self.manifest = digests.read(source.path, source.ckpt.metadata)
+        self.units: dict[tuple[str, int | None], int] = {}
+        for name in names:
+            for row in (range(shard.n_experts) if is_routed_expert(name) else (None,)):
+                self.units[(name, row)] = len(self.units)
+        self.computed = np.zeros((len(self.units), digests.SIZE), np.uint8)  # zeros: not read by this rank
+        self.pending = collections.deque()  # (future, bytes) in submission order
+        self.pending_bytes = 0
+        self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="qmtp-digest")
+
+    @property
+    def reads_every_expert(self) -> bool:
+        """Rank 0 of a checkpoint without recorded digests: the one reference the others' experts are held to."""
+        return self.manifest is None and self.shard.rank == 0
+
+    def add(self, name: str, raw, rows: tuple[int, int] | None) -> None:
+        """Hash `raw` (the evaluated tensor as stored, or rows `rows` of a routed expert stack) on a worker."""
+        view = tensor_bytes(raw)
+        first = (None,) if rows is None else range(*rows)
+        units = [self.units[(name, row)] for row in first]
+        task = digests.rows_of if rows is not None else (lambda data, _: [digests.of(data)])
+        self.pending.append((self.pool.submit(self._hash, task, view, len(units), units), len(view)))
+        self.pending_bytes += len(view)
+        # done hashes let their bytes go; past PENDING_BYTES the reader waits for the oldest
+        while self.pending and (self.pending[0][0].done() or self.pending_bytes > PENDING_BYTES):
+            future, size = self.pending.popleft()
+            future.result()
+            self.pending_bytes -= size
+
+    def _hash(self, task, view, count: int, units: list[int]) -> None:
+        for unit, digest in zip(units, task(view, count)):
+            self.computed[unit] = np.frombuffer(digest, np.uint8)
+
+    def add_others(self, reader, name: str, recipe) -> None:
+        """For `reads_every_expert`: read and hash the other ranks' blocks of routed expert stack `name`."""
+        for rank in range(1, self.shard.size):
+            rows = (rank * self.shard.held, (rank + 1) * self.shard.held)
+            raw = reader.materialise(recipe, rows)
+            mx.eval(raw)
+            self.add(name, raw, rows)
+
+    def close(self) -> None:
+        while self.pending:
+            self.pending.popleft()[0].result()
+        self.pending_bytes = 0
+        self.pool.shutdown()
+
+    def _stored(self, name: str, row: int | None) -> str:
+        recipe = self.source.plan.recipes[name]
+        return recipe.sources[row] if recipe.op == "stack" and row is not None else recipe.sources[0]
+
+    def _expected(self) -> np.ndarray:
+        """The recorded digest of every unit, [units, digests.SIZE]."""
+        expected = []
+        for name, row in self.units:
+            recipe = self.source.plan.recipes[name]
+            if recipe.op != "copy":
+                raise CheckpointError(f"{self.manifest.path}: records the digests of stored tensors, but {name} is "
+                                      f"made from {recipe}: the folder mixes a conversion's digests with another layout")
+            stored = recipe.sources[0]
+            expected.append(self.manifest.whole(stored) if row is None else self.manifest.row(stored, row))
+        return _as_rows(expected)
+
+    def agree(self, group) -> None:
+        """A DistributedError on every rank, naming the first tensor (and expert) and the rank, when a rank's bytes
+        differ from the recorded digests, or (none recorded) from rank 0's."""
+        self.close()
+        _, size = world(group)
+        every = _gather(group, self.computed, "tensor digests")
+        expected = every[0] if self.manifest is None else self._expected()
+        wrong = every.any(axis=2) & (every != expected[None]).any(axis=2)  # [ranks, units]: read, and not as expected
+        if not wrong.any():
+            return
+        unit, odd = (int(i) for i in np.argwhere(wrong.T)[0])  # the first unit, then the first rank
+        name, row = list(self.units)[unit]
+        against = "rank 0's" if self.manifest is None else f"the digest {digests.FILE} records"
+        expert = "" if row is None else f" (expert {row})"
         raise DistributedError(
-            f"the {size} ranks did not open the same {what}: rank {odd[0]} differs from rank 0 (config.json, the "
-            f"safetensors files or the load's settings): give every rank the same model directory")
+            f"the {size} ranks did not open the same checkpoint: rank {odd} holds other bytes than {against} in "
+            f"tensor {self._stored(name, row)}{expert}: give every rank the same model directory")
 
 
 def rank0_decides(shard: ExpertShard | None):

@@ -334,7 +334,8 @@ def test_tokenizer_files_are_copied(tmp_path):
     (src / "tokenizer.json").write_text(tokenizers.Tokenizer(tokenizers.models.BPE()).to_str())
     (src / "tokenizer_config.json").write_text("{}\n")
     dst = quiet_convert(src, tmp_path / "out").path
-    assert sorted(p.name for p in dst.iterdir()) == sorted(wanted + ["config.json", "model.safetensors"])
+    assert sorted(p.name for p in dst.iterdir()) == sorted(wanted + ["config.json", "model.safetensors",
+                                                            "qmtp-digests.json"])
     assert (dst / "chat_template.jinja").read_text() == "chat_template.jinja\n"
 
 

@@ -217,9 +217,12 @@ def test_templated_chat_on_two_ranks_prints_the_single_process_conversation(tmp_
 
 
 def test_a_rank_that_cannot_open_its_checkpoint_ends_the_group(tmp_path):
-    # rank 1 fails before the ranks compare checkpoints; rank 0, waiting for it in that collective, is stopped
+    # rank 1 fails before the ranks compare checkpoints; rank 0, waiting for it in that collective, is stopped, or
+    # (when rank 1 was gone before it got there: MLX's ring then reads zeros) names rank 1 as gone, never as another model
     code, output, found = run_ranks(2, "load", tmp_path, BUNDLED_MODEL, tmp_path / "absent", timeout=90)
-    assert code not in (0, 124) and found == [], output[-3000:]
+    assert code not in (0, 124), output[-3000:]
+    assert found == [] or [f["error"] for f in found] == ["rank 1 did not take part in comparing checkpoint files "
+                                                          "(it stopped?)"], found
     assert "no such model directory" in output
     assert output.count("qmtp: error:") == 1 and "rank 1 exited with code" in output, output
 

@@ -10,6 +10,10 @@ round from one round to the next:
 * `python -m qmtp convert SOURCE OUT --bits B` (head kept in bf16);
 * `python -m mlx_lm convert --hf-path SOURCE --mlx-path OUT -q --q-bits B` (mlx-lm drops the head).
 
+`versions` adds qmtp as another checkout has it (`{"before": "/tmp/qmtp-at-COMMIT"}`: that folder's `qmtp`
+package, imported through PYTHONPATH), timed in the same rounds, so that two commits compare on one loaded
+machine; `tools` keeps only some of the commands (the full-size source takes minutes a conversion).
+
 Time is the process's wall time plus a `sync` that puts what it wrote on the disk (qmtp fsyncs its files
 before renaming them; the others leave that to the kernel, so the sync is counted for all three). Peak
 memory is the process's maximum resident set size, from `os.wait4`. The source is read once, untimed,
@@ -102,21 +106,31 @@ def _in_fresh_process(function, *args):
         return pool.apply(function, args)
 
 
-def commands(source: Path, out: Path, bits: int, group_size: int) -> dict[str, list[str]]:
+def commands(source: Path, out: Path, bits: int, group_size: int, versions=None) -> dict[str, list[str]]:
+    qmtp = [sys.executable, "-m", "qmtp", "convert", str(source), str(out), "--bits", str(bits),
+            "--group-size", str(group_size), "--quiet"]
     return {
         "cp": ["cp", "-R", str(source), str(out)],
-        "qmtp": [sys.executable, "-m", "qmtp", "convert", str(source), str(out), "--bits", str(bits),
-                 "--group-size", str(group_size), "--quiet"],
+        "qmtp": qmtp,
         "mlx-lm": [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(source), "--mlx-path", str(out),
                    "-q", "--q-bits", str(bits), "--q-group-size", str(group_size)],
+        **{f"qmtp@{label}": qmtp for label in (versions or {})},
     }
 
 
-def measure(command: list[str], out: Path, log: Path) -> dict:
+def environment(tool: str, versions=None) -> dict | None:
+    """The environment of `tool`'s process: PYTHONPATH at the checkout of a `versions` entry, else inherited."""
+    label = tool.partition("@")[2]
+    if not label:
+        return None
+    return dict(os.environ, PYTHONPATH=str(Path(versions[label]).resolve()))
+
+
+def measure(command: list[str], out: Path, log: Path, env: dict | None = None) -> dict:
     """Run `command` (which writes `out`), then sync; its wall time, peak RSS and the bytes it wrote."""
     started = time.perf_counter()
     with open(log, "wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     os.sync()
@@ -142,7 +156,7 @@ def _rss_bytes(maxrss: int) -> int:
 
 
 def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, rounds: int = 2, config=None,
-        progress=None, preset: str | None = None) -> dict:
+        progress=None, preset: str | None = None, versions: dict | None = None, tools=TOOLS) -> dict:
     """Write (or reuse) the source in `workdir` and time the three tools on it, `rounds` times each.
 
     Without `workdir` everything goes into a temporary folder that is removed at the end. `config` replaces
@@ -156,6 +170,9 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
         raise UsageError(f"--preset {preset}: choose one of {', '.join(PRESETS)}")
     if rounds < 1:
         raise UsageError(f"--rounds {rounds}: give 1 or more")
+    if not set(tools) <= set(TOOLS) or "cp" not in tools:
+        raise UsageError(f"tools={tools!r}: choose among {', '.join(TOOLS)}, cp included (times are read against it)")
+    tools = tuple(tools) + tuple(f"qmtp@{label}" for label in (versions or {}))
     if not gb > 0:
         raise UsageError(f"--gb {gb}: give a size in GB above 0")
     progress = progress or (lambda line: print(line, flush=True))
@@ -186,14 +203,15 @@ def run(workdir=None, gb: float = 4.0, bits: int = 4, group_size: int = 64, roun
             with open(file, "rb") as f:
                 while f.read(64 << 20):
                     pass
-        runs: dict[str, list[dict]] = {tool: [] for tool in TOOLS}
+        runs: dict[str, list[dict]] = {tool: [] for tool in tools}
         for r in range(rounds):
-            order = TOOLS if r % 2 == 0 else TOOLS[::-1]
+            order = tools if r % 2 == 0 else tools[::-1]
             for tool in order:
                 out = workdir / f"out-{tool}"
                 shutil.rmtree(out, ignore_errors=True)
                 os.sync()
-                result = measure(commands(source, out, bits, group_size)[tool], out, workdir / f"{tool}.log")
+                result = measure(commands(source, out, bits, group_size, versions)[tool], out, workdir / f"{tool}.log",
+                                 environment(tool, versions))
                 shutil.rmtree(out, ignore_errors=True)
                 runs[tool].append(result)
                 progress(f"round {r + 1}/{rounds} {tool:7s} {result['seconds']:7.1f} s  "
@@ -220,10 +238,26 @@ def summarise(runs: dict, source_bytes: int, bits: int, group_size: int, config)
         "source_bytes": source_bytes, "bits": bits, "group_size": group_size,
         "num_experts": config.num_experts, "num_hidden_layers": config.num_hidden_layers,
         "rounds": len(runs["cp"]), "tools": tools,
-        "qmtp_time_over_cp": tools["qmtp"]["seconds"] / tools["cp"]["seconds"],
-        "mlx_lm_time_over_cp": tools["mlx-lm"]["seconds"] / tools["cp"]["seconds"],
-        "qmtp_peak_over_mlx_lm": tools["qmtp"]["peak_rss_bytes"] / tools["mlx-lm"]["peak_rss_bytes"],
+        **_ratios(tools),
     }
+
+
+def _ratios(tools: dict) -> dict:
+    """Times over cp's, qmtp's peak over mlx-lm's, and qmtp's time over each other version's, for the tools run."""
+    ratios = {}
+    if "qmtp" in tools:
+        ratios["qmtp_time_over_cp"] = tools["qmtp"]["seconds"] / tools["cp"]["seconds"]
+    if "mlx-lm" in tools:
+        ratios["mlx_lm_time_over_cp"] = tools["mlx-lm"]["seconds"] / tools["cp"]["seconds"]
+    if "qmtp" in tools and "mlx-lm" in tools:
+        ratios["qmtp_peak_over_mlx_lm"] = tools["qmtp"]["peak_rss_bytes"] / tools["mlx-lm"]["peak_rss_bytes"]
+    for tool in tools:
+        if "qmtp" in tools and tool.startswith("qmtp@"):
+            ratios[f"qmtp_time_over_{tool}"] = tools["qmtp"]["seconds"] / tools[tool]["seconds"]
+            # the same rounds paired: each round's ratio, against the load of that moment
+            ratios[f"qmtp_time_over_{tool}_per_round"] = [a["seconds"] / b["seconds"] for a, b in
+                                                          zip(tools["qmtp"]["runs"], tools[tool]["runs"])]
+    return ratios
 
 
 def table(report: dict) -> str:
@@ -240,7 +274,8 @@ def table(report: dict) -> str:
         lines.append(f"| {tool} | {t['seconds']:.1f} | {t['seconds_min']:.1f}-{t['seconds_max']:.1f} | "
                      f"{t['source_mb_per_second']:.0f} | {t['peak_rss_bytes'] / 1e6:.0f} | "
                      f"{t['output_bytes'] / 1e9:.2f} | {t['seconds'] / cp:.2f} |")
-    lines += ["", f"(peaks include the launching process's {report['launcher_peak_bytes'] / 1e6:.0f} MB, inherited at fork)",
-              f"qmtp peak memory / mlx-lm's: {report['qmtp_peak_over_mlx_lm']:.2f}; "
-                  f"qmtp time / cp: {report['qmtp_time_over_cp']:.2f}; mlx-lm time / cp: {report['mlx_lm_time_over_cp']:.2f}"]
+    lines += ["", f"(peaks include the launching process's {report['launcher_peak_bytes'] / 1e6:.0f} MB, inherited at fork)"]
+    ratios = [f"{key.replace('_', ' ')}: {value:.2f}" for key, value in report.items()
+              if "_over_" in key and isinstance(value, float)]
+    lines.append("; ".join(ratios))
     return "\n".join(lines)
