@@ -32,7 +32,7 @@ RANKS_ENV = "QMTP_RANKS"
 # Lines of the ring backend's own report of a lost peer: one per failed send or receive
 NOISE = ("[ring] Socket", "[ring] Too many send/recv errors")
 # mlx.launch relays its stdin to the ranks but never closes theirs: `run` sends this line when its own input
-# ends, and a rank reading prompts stops at it (`qmtp.cli`)
+# ends, and a rank reading prompts stops at it (`qmtp.cli.chat`)
 END_OF_INPUT = b"\x04"
 EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 LAUNCHER = re.compile(r"\x1b\[33m\[WARN\]|[ \t]*Node with rank \d+ (exited with code -?\d+|was killed)[ \t]*|"
