@@ -37,95 +37,118 @@ def run(args) -> int:
 
 def _doctor_model(path: Path, scan: bool) -> list[str]:
     """Print what the checkpoint at `path` holds; return its problems (empty: complete and finite)."""
-    from .. import fixes as fixes_mod
-    from .. import layout
-    from ..source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED, Source
+    from ..source import Source
 
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
     source = Source.open(path)
-    config, ckpt = source.config, source.ckpt
-    print(f"\n{ckpt!r}")
-    plan, widths = source.plan, source.widths
-    problems = []
+    print(f"\n{source.ckpt!r}")
+    problems = _doctor_trunk(source, path) + _doctor_head(source, path) + _doctor_tokenizer(source, path)
+    plan = source.plan
+    if plan.unknown or plan.skipped:
+        print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
+    problems += _doctor_small_tensors(source) + _doctor_fixes(source)
+    _doctor_widths(source)
+    if scan:
+        bad = _scan(source.ckpt)
+        print(f"scan: {len(source.ckpt)} tensors read, "
+              + (f"{len(bad)} with NaN/Inf: {', '.join(bad[:5])}" if bad else "all finite"))
+        if bad:
+            problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
+    source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
+    return problems
 
-    expected = layout.expected_shapes(config, head=False)
-    missing = source.missing_trunk()
-    undeclared = source.undeclared()
+
+def _doctor_trunk(source, path: Path) -> list[str]:
+    """Whether every trunk tensor config.json declares is stored, and no layer beyond them."""
+    from .. import layout
+
+    expected = layout.expected_shapes(source.config, head=False)
+    missing, undeclared, beyond = source.missing_trunk(), source.undeclared(), source.plan.beyond
     print(f"trunk: {len(expected) - len(missing)} of {len(expected)} tensors"
           + (f", MISSING {missing[0]} and {len(missing) - 1} more" if missing else ", complete")
-          + (f"; MORE LAYERS STORED THAN config.json DECLARES ({len(plan.beyond)} tensors, e.g. {plan.beyond[0]})"
+          + (f"; MORE LAYERS STORED THAN config.json DECLARES ({len(beyond)} tensors, e.g. {beyond[0]})"
              if undeclared else ""))
-    if missing:
-        problems.append(f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)")
-    if undeclared:
-        problems.append(undeclared)
+    problems = [f"{path}: trunk tensor {missing[0]} is missing ({len(missing)} in all)"] if missing else []
+    return problems + ([undeclared] if undeclared else [])
+
+
+def _doctor_head(source, path: Path) -> list[str]:
+    """Whether the MTP head config.json declares is stored, with its routed experts."""
+    from ..source import HEAD_FULL, HEAD_MISSING, HEAD_NOT_DECLARED
+
     try:
         status = source.head_status()
     except QmtpError as err:
         print(f"MTP head: INCOMPLETE ({err})")
-        problems.append(str(err))
+        return [str(err)]
+    if status == HEAD_NOT_DECLARED:
+        print("MTP head: none declared in config.json")
+    elif status == HEAD_MISSING:
+        print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
+        return [f"{path}: no MTP head tensors (mtp.*), though config.json declares a head"]
+    elif status == HEAD_FULL:
+        print("MTP head: complete, with its routed experts")
     else:
-        if status == HEAD_NOT_DECLARED:
-            print("MTP head: none declared in config.json")
-        elif status == HEAD_MISSING:
-            print("MTP head: MISSING (config.json declares one, no mtp.* tensors are stored)")
-            problems.append(f"{path}: no MTP head tensors (mtp.*), though config.json declares a head")
-        elif status == HEAD_FULL:
-            print("MTP head: complete, with its routed experts")
-        else:
-            print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
-            problems.append(f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)")
+        print("MTP head: INCOMPLETE, no routed experts (it would draft with its shared expert alone)")
+        return [f"{path}: the MTP head has no routed experts (mtp.layers.0.mlp.experts.*)"]
+    return []
+
+
+def _doctor_tokenizer(source, path: Path) -> list[str]:
+    """Whether the tokenizer loads and fits the embedding, and its chat template compiles."""
     from ..tokenizer import Tokenizer
 
     try:
-        tokenizer = Tokenizer.check_dir(path, config.vocab_size)
+        tokenizer = Tokenizer.check_dir(path, source.config.vocab_size)
     except QmtpError as err:
         print(f"tokenizer: UNUSABLE ({err})")
-        problems.append(str(err))
-    else:
-        print(f"tokenizer: {tokenizer.vocab_size} ids" if tokenizer else "tokenizer: none (chat needs tokenizer.json)")
-        if tokenizer is not None:
-            problems += _doctor_template(tokenizer)
-    if plan.unknown or plan.skipped:
-        print(f"not used: {len(plan.unknown)} unmapped tensors, {len(plan.skipped)} vision tensors")
+        return [str(err)]
+    print(f"tokenizer: {tokenizer.vocab_size} ids" if tokenizer else "tokenizer: none (chat needs tokenizer.json)")
+    return _doctor_template(tokenizer) if tokenizer is not None else []
 
-    # One NaN in a norm, A_log, dt_bias, conv kernel or router changes every token (and a norm's would make the
-    # fixes record look contradicted): these few MB are always read, every tensor only with --scan.
+
+def _doctor_small_tensors(source) -> list[str]:
+    """One NaN in a norm, A_log, dt_bias, conv kernel or router changes every token (and a norm's would make the
+    fixes record look contradicted): these few MB are always read, every tensor only with --scan."""
     small = source.nonfinite_small()
     print(f"small tensors (norms, A_log, dt_bias, conv kernels, routers): {len(source.small_critical())} read, "
           + (f"{len(small)} with NaN/Inf: {', '.join(small[:5])}" if small else "all finite"))
-    if small:
-        problems.append(str(source.nonfinite_error(small[0], f"{len(small)} small tensors in all" if len(small) > 1
-                                                   else "")))
-    recorded, carried = source.recorded, source.carried
+    if not small:
+        return []
+    return [str(source.nonfinite_error(small[0], f"{len(small)} small tensors in all" if len(small) > 1 else ""))]
+
+
+def _doctor_fixes(source) -> list[str]:
+    """The fixes the weights carry (recorded or inferred), and whether the record and the tensors agree."""
+    from .. import fixes as fixes_mod
+
+    problems = []
     try:
         source.check_carried()
     except QmtpError as err:
         print(f"fixes: RECORD AND TENSORS DISAGREE ({err})")
         problems.append(str(err))
-    origin = "recorded in the file" if recorded is not None else "inferred from the conv layout (no record)"
-    print(f"fixes in the weights: {', '.join(carried) or 'none'} ({origin}); qmtp.load applies: "
-          f"{', '.join(fixes_mod.still_needed(carried, source.has_conv)) or 'nothing'}")
-    if widths:
+    origin = "recorded in the file" if source.recorded is not None else "inferred from the conv layout (no record)"
+    print(f"fixes in the weights: {', '.join(source.carried) or 'none'} ({origin}); qmtp.load applies: "
+          f"{', '.join(fixes_mod.still_needed(source.carried, source.has_conv)) or 'nothing'}")
+    return problems
+
+
+def _doctor_widths(source) -> None:
+    """How many weights are quantized at each width, and where a conversion came from."""
+    if source.widths:
         counts: dict = {}
-        for bits, group in widths.values():
+        for bits, group in source.widths.values():
             counts[(bits, group)] = counts.get((bits, group), 0) + 1
         text = ", ".join(f"{n} at {b}-bit/{g}" for (b, g), n in sorted(counts.items()))
         print(f"quantized weights: {text}")
     else:
         print("quantized weights: none")
-    if "qmtp.source_digest" in ckpt.metadata:
-        print(f"converted by qmtp {ckpt.metadata.get('qmtp.version', '?')} from source "
-              f"{ckpt.metadata['qmtp.source_digest'][:16]}...")
-
-    if scan:
-        bad = _scan(ckpt)
-        print(f"scan: {len(ckpt)} tensors read, " + (f"{len(bad)} with NaN/Inf: {', '.join(bad[:5])}" if bad else "all finite"))
-        if bad:
-            problems.append(f"{path}: {len(bad)} tensors hold NaN or Inf (first: {bad[0]})")
-    source.check_unchanged()  # what was reported is one checkpoint, not two conversions mixed
-    return problems
+    metadata = source.ckpt.metadata
+    if "qmtp.source_digest" in metadata:
+        print(f"converted by qmtp {metadata.get('qmtp.version', '?')} from source "
+              f"{metadata['qmtp.source_digest'][:16]}...")
 
 
 def _doctor_template(tokenizer) -> list[str]:
