@@ -70,8 +70,9 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _raise_terminated)
-    # Text the terminal's encoding cannot show (PYTHONIOENCODING=ascii, a C locale) is escaped, not fatal
-    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+    # Text the terminal's encoding cannot show (PYTHONIOENCODING=ascii, a C locale) is escaped, not fatal; in a
+    # C locale Python's stdout escapes surrogates only, and the text printed here holds none, but other characters
+    if getattr(sys.stdout, "errors", None) in ("strict", "surrogateescape") and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
         args = build_parser().parse_args(argv)

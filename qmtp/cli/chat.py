@@ -35,7 +35,8 @@ def register(commands) -> None:
     chat.add_argument("--prompt", help="generate once for this prompt (default: read prompts from stdin, each line a "
                                        "turn of one conversation; a line /reset starts a new one)")
     chat.add_argument("--raw", action="store_true",
-                      help="feed the prompt as plain text, without the chat template (each line on its own)")
+                      help="feed the prompt as plain text, without the chat template (each line on its own; "
+                           "the default for a model without one)")
     chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     chat.add_argument("--thinking", nargs="?", const=True, default=None, type=options.parse_bool, metavar="BOOL",
                       help="--thinking=false asks the template for an answer without thinking (default: the "
@@ -44,8 +45,9 @@ def register(commands) -> None:
                       help="print the answer only (the thinking is otherwise shown on stderr, apart from it)")
     chat.add_argument("--preserve-thinking", action="store_true",
                       help="keep earlier turns' thinking in the conversation (Qwen3.6's preserve_thinking)")
-    chat.add_argument("--stop", action="append", metavar="TEXT",
-                      help="end the reply where this text appears (repeat for several)")
+    chat.add_argument("--stop", action="append", metavar="TEXT", type=options.unescaped,
+                      help="end the reply where this text appears (repeat for several); backslash escapes are "
+                           "unescaped: \\n a newline, \\t a tab, \\\\ a backslash, \\uHHHH")
     options.add_rank_options(chat)
     chat.set_defaults(run=run)
 
@@ -72,20 +74,36 @@ def check_flags(args) -> None:
         raise UsageError("the prompt is empty: give at least one token of text")
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)
         raise UsageError(f"--seed {args.seed}: give a whole number below 2**64")
-    if args.raw:
-        used = [flag for flag, on in (("--system", args.system is not None), ("--thinking", args.thinking is not None),
-                                      ("--hide-thinking", args.hide_thinking),
-                                      ("--preserve-thinking", args.preserve_thinking)) if on]
-        if used:
-            raise UsageError(f"{used[0]} shapes the chat template's conversation, which --raw leaves out; drop one of "
-                             f"them")
+    if args.raw and _template_flags(args):
+        raise UsageError(f"{_template_flags(args)[0]} shapes the chat template's conversation, which --raw leaves "
+                         f"out; drop one of them")
     if args.system is not None:
-        options.utf8_argument(args.system, "--system")
-    for stop in args.stop or ():
+        args.system = options.utf8_argument(args.system, "--system")
+    if args.prompt is not None:
+        args.prompt = options.utf8_argument(args.prompt, "--prompt")
+    for i, stop in enumerate(args.stop or ()):
         if not stop:
             raise UsageError("--stop: give non-empty text to stop at")
-        options.utf8_argument(stop, "--stop")
+        args.stop[i] = options.utf8_argument(stop, "--stop")
     Sampling(**{k: v for k, v in sampler_flags(args).items() if v is not None})  # a bad flag is refused here
+
+
+def _template_flags(args) -> list[str]:
+    """The flags given that only the chat template's conversation uses."""
+    return [flag for flag, on in (("--system", args.system is not None), ("--thinking", args.thinking is not None),
+                                  ("--hide-thinking", args.hide_thinking),
+                                  ("--preserve-thinking", args.preserve_thinking)) if on]
+
+
+def _without_template(model, args) -> None:
+    """A model with no chat template is continued as plain text, as --raw does and as mlx-lm does; said once."""
+    where = "no chat_template.jinja, no chat_template in tokenizer_config.json"
+    if _template_flags(args):
+        raise UsageError(f"{_template_flags(args)[0]} shapes the chat template's conversation, and {model.path} has "
+                         f"no chat template ({where})")
+    print(f"qmtp: warning: {model.path} has no chat template ({where}): each prompt is continued as plain text, "
+          f"as with --raw", file=sys.stderr, flush=True)
+    args.raw = True
 
 
 def run(args) -> int:
@@ -106,12 +124,11 @@ def run(args) -> int:
     if model.tokenizer is None:
         raise UsageError(f"{model.path}: no tokenizer.json, so there is no text to chat with")
     if not args.raw and model.tokenizer.chat_template is None:
-        raise UsageError(f"{model.path}: the model has no chat template (no chat_template.jinja, no chat_template in "
-                         f"tokenizer_config.json); add --raw to feed the prompt as plain text")
+        _without_template(model, args)
     ends = chat_mod.end_ids(model)
     stops = tuple(args.stop or ())
     sampling = resolve_sampling(model, "model", **sampler_flags(args))
-    prompts = [options.utf8_argument(args.prompt, "--prompt")] if args.prompt is not None else stdin_prompts()
+    prompts = [args.prompt] if args.prompt is not None else stdin_prompts()
     if group is not None and args.prompt is None:  # rank 0 reads them, every rank runs each turn
         prompts = ranks.shared_prompts(group, prompts)
     settings = dict(max_tokens=args.max_tokens, n_draft=n_draft, sampling=sampling, seed=args.seed,
@@ -197,23 +214,32 @@ def _report(g, n_draft, sampling) -> None:
 
 
 def stdin_prompts():
-    """The prompts, one a line of stdin (a prompt on a terminal); blank lines are skipped."""
-    from ..launch import END_OF_INPUT, RANKS_ENV
-
-    interactive = sys.stdin.isatty()
-    relayed = bool(os.environ.get(RANKS_ENV))  # a rank's stdin, relayed by mlx.launch, never ends by itself
-    while True:
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
-        raw = sys.stdin.buffer.readline()
-        if not raw or (relayed and raw.rstrip(b"\r\n") == END_OF_INPUT):
-            return
+    """The prompts, one a line of stdin (asked for with "> " on a terminal); blank lines (spaces at most) are
+    skipped, not sent: an empty message would end the chat with an error."""
+    for raw in _stdin_lines():
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise UsageError(f"stdin: a prompt line is not valid UTF-8 ({err.reason} at byte {err.start}); give "
                              f"UTF-8 text") from None
-        line = line.rstrip("\n")
         line = line[:-1] if line.endswith("\r") else line  # a line ended by \r\n (Windows, a network tool)
-        if line:
+        if line.strip():
             yield line
+
+
+def _stdin_lines():
+    """stdin's lines as bytes, without their newline: as `qmtp.launch` relayed them in a rank it started (each
+    byte as typed; mlx.launch never closes a rank's stdin, so the relay says where the input ends)."""
+    from .. import launch
+
+    if os.environ.get(launch.RANKS_ENV):
+        yield from launch.relayed_lines(sys.stdin.buffer)
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        raw = sys.stdin.buffer.readline()
+        if not raw:
+            return
+        yield raw[:-1] if raw.endswith(b"\n") else raw

@@ -156,7 +156,8 @@ def _doctor_template(tokenizer) -> list[str]:
     from ..chat import compile_template
 
     if tokenizer.chat_template is None:
-        print("chat template: none (chat needs --raw; generate takes text or ids, not messages)")
+        print("chat template: none (chat continues the text raw, as --raw does; generate takes text or ids, not "
+              "messages)")
         return []
     try:
         compile_template(tokenizer.chat_template)

@@ -4,7 +4,9 @@ command loads anything (loading the real model takes a minute)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 from pathlib import Path
 
 from ..conventions import BITS, is_unquantized
@@ -50,6 +52,37 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """--timeout S: a finite number of seconds above 0 (0, a negative number or nan would end the ranks at once
+    or never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds above 0")
+    return value
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+ESCAPE = re.compile(r"\\(?:([ntr\\])|x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
+
+
+def unescaped(text: str) -> str:
+    """--stop TEXT: backslash escapes unescaped, so `--stop "\\n\\n"` (a shell passes backslash-n) stops at a
+    blank line: \\n, \\t, \\r, \\\\ (a backslash), \\xHH, \\uHHHH, \\UHHHHHHHH; any other backslash is kept."""
+    def one(found) -> str:
+        simple, *codes = found.groups()
+        if simple:
+            return ESCAPES[simple]
+        code = int(next(c for c in codes if c), 16)
+        if code > 0x10FFFF:
+            raise argparse.ArgumentTypeError(f"{found.group(0)} in {text!r} is past the last character, U+10FFFF")
+        return chr(code)
+
+    return ESCAPE.sub(one, text)
+
+
 def json_destination(text: str) -> Path:
     """--json FILE: checked before the run (a benchmark takes minutes), not after it."""
     path = Path(text)
@@ -87,7 +120,7 @@ def add_rank_options(parser) -> None:
                         help="spread the routed experts over N ranks on this host (mlx.launch, ring backend, a free port)")
     parser.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
                         help="spread them over the hosts of an mlx.launch hostfile instead")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--timeout", type=seconds, default=None, metavar="S",
                         help="with --ranks or --hostfile: end every rank after S seconds (a rank that hangs)")
 
 
@@ -105,9 +138,19 @@ def check_n_draft(args, most: int) -> None:
 
 
 def utf8_argument(text: str, flag: str) -> str:
-    """Undecodable bytes in argv arrive as lone surrogates (PEP 383), which the tokenizer refuses with a traceback."""
+    """`text` as the UTF-8 it was typed in. Python decodes argv with the locale's encoding, the bytes it cannot
+    decode kept as lone surrogates (PEP 383): under LC_ALL=C (ASCII) valid UTF-8 arrives that way, and is
+    recovered from them here; bytes that are not UTF-8 are refused in one line (the tokenizer would raise)."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as err:
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as err:  # a surrogate that is no escaped byte: not from argv's bytes
+        raise UsageError(f"{flag}: not valid UTF-8 (character {err.start}); give UTF-8 text") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
         raise UsageError(f"{flag}: not valid UTF-8 (byte {err.start}); give UTF-8 text") from None
-    return text
