@@ -5,9 +5,12 @@ One step, with the trunk's cache holding x_0..x_t and the trunk's choice x_{t+1}
 1. draft: the head turns (h_t, x_{t+1}) into a guess d_1 for x_{t+2}; fed its own post-norm output and
    d_1 it guesses d_2, and so on: `n_draft - 1` drafts.
 2. verify: one trunk pass over [x_{t+1}, d_1, ..., d_k] gives the trunk's own choice after each of them.
-3. accept: the longest prefix of drafts the trunk agrees with, plus the trunk's next token (greedy), or,
-   when sampling, each draft with probability min(1, p/q) and a resample from max(0, p - q) at the first
-   rejection (Leviathan et al. 2023). Either way the output has exactly the trunk's distribution.
+3. accept: the longest prefix of drafts the trunk agrees with, plus the trunk's next token. Greedy: the
+   argmaxes. Sampling (`acceptance="coupled"`, the default): the trunk's token and the draft at a position
+   are argmaxes of their log-probabilities plus the same Gumbel noise, made from the seed and the position,
+   so the tokens do not depend on the widths. `acceptance="rejection"`: each draft kept with probability
+   min(1, p/q) and a resample from max(0, p - q) at the first rejection (Leviathan et al. 2023). Every way,
+   the output has exactly the trunk's distribution.
 4. roll back: every cache is cut back to the accepted tokens, as if only they had been decoded.
 
 `n_draft` follows the seed engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
@@ -314,6 +317,7 @@ def generate(
     head_cache: str = "keep",
     chain: str = "post",
     rollback: str = "record",
+    acceptance: str = "coupled",
     track_experts: bool = True,
     stop_at_eos: bool = True,
     timer: PhaseTimer | None = None,
@@ -343,8 +347,8 @@ def generate(
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
             the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
-        temperature: 0 (the default) for greedy; otherwise rejection sampling keeps exactly the trunk's
-            distribution, processed as below.
+        temperature: 0 (the default) for greedy; otherwise the tokens keep exactly the trunk's distribution,
+            processed as below (see `acceptance`).
         top_k, top_p, min_p: filters after the temperature: the k most likely tokens (0: all), the smallest
             set of most likely tokens whose probability reaches p (1: all), the tokens at least min_p times as
             likely as the most likely (0: all). Greedy decoding is unchanged by them.
@@ -367,6 +371,10 @@ def generate(
             "pre" before it. All three change the drafts only: the tokens stay exactly the trunk's.
         rollback: "record" keeps each position's linear-attention state during verification; "replay"
             runs the accepted tokens again from the state before the pass.
+        acceptance: how a sampled draft is kept. "coupled" (the default): each position's token is
+            chosen with noise made from the seed and the position alone, shared by the draft, so a seed gives
+            the same tokens at every n_draft, "auto" included (`decoding.Coupled`); "rejection": Leviathan et
+            al.'s rejection sampling, random per step (`decoding.Rejection`). Both keep the trunk's law.
         timer: a `PhaseTimer` to add the decoding loop's phases to (profiling).
         compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a
             trace), or reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s
@@ -419,7 +427,7 @@ def generate(
     k = widest - 1
     stats = Stats(n_draft=n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * k, accepted=[0] * k)
     recorder = ExpertRecorder() if track_experts else None
-    strategy = decoding.strategy_for(settings)
+    strategy = decoding.strategy_for(settings, acceptance)
     planner = None
     if n_draft == "auto":
         # the acceptance counted and the step costs timed by the last generations with this drafter and these
@@ -565,7 +573,8 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     produced = 1
     if produced >= max_tokens or first in eos:
         return
-    key = mx.random.split(key)[1]
+    if not strategy.by_position:  # the prefill's draw used `key`: the steps' keys are split off it
+        key = mx.random.split(key)[1]
 
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
@@ -657,7 +666,7 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
         seen[prompt_tokens] = True
         state["prompt_seen"] = mx.array(seen)
         history = (state["counts"][None], state["prompt_seen"])
-    first, _ = strategy.pick(logits, key, history)
+    first, _ = strategy.pick(logits, strategy.key_at(key, len(prompt_tokens)), history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
