@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import chat
+from . import adaptive, chat
 from .errors import UsageError
 from .model import Model
 from .prefix_cache import PrefixCache, common_prefix
@@ -75,14 +75,7 @@ class Conversation:
                 raise UsageError(f"chat_template_kwargs: give a dict of the template's variables, not "
                                  f"{type(chat_template_kwargs).__name__}")
         # the settings are checked now, not at the first message
-        _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
-        if n_draft != "auto" and not 1 <= n_draft <= MAX_N_DRAFT:
-            raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
-        if n_draft != 1:
-            model.require_head()
-        _stop_strings(model, stop)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEEDS:
-            raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
+        _check_settings(model, max_tokens, n_draft, seed, stop, stop_at_eos, temperature)
         resolve_sampling(model, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          repetition_penalty=repetition_penalty)
@@ -172,3 +165,26 @@ class Conversation:
         if not ids:
             raise UsageError("the message is empty: give some text or token ids")
         return self._tokens + ids
+
+
+def _check_settings(model: Model, max_tokens, n_draft, seed, stop, stop_at_eos, temperature) -> None:
+    """The decoding settings every turn will use, refused now as `generate` would refuse them at each turn
+    (those it can judge without a prompt; the sampler's are `resolve_sampling`'s)."""
+    _check_types(max_tokens, n_draft, 0.0 if temperature is None else temperature)
+    if n_draft != "auto" and not 1 <= n_draft <= MAX_N_DRAFT:
+        raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
+    if n_draft != 1:
+        model.require_head()
+    if max_tokens < 1:
+        raise UsageError(f"max_tokens={max_tokens} must be at least 1")
+    widest = max(adaptive.WIDTHS) if n_draft == "auto" else int(n_draft)
+    limit = model.config.max_position_embeddings
+    if max_tokens + widest > limit:  # not even a one-token prompt fits beside the reply and its drafts
+        drafts = f" and {widest - 1} drafted ahead" if widest > 1 else ""
+        raise UsageError(f"max_tokens={max_tokens}: a reply of {max_tokens} tokens{drafts} leaves no room for "
+                         f"a prompt in the context of {limit} positions: ask for at most {limit - widest}")
+    if not isinstance(stop_at_eos, (bool, np.bool_)):
+        raise UsageError(f"stop_at_eos={stop_at_eos!r:.40} must be True or False")
+    _stop_strings(model, stop)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEEDS:
+        raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")

@@ -476,6 +476,13 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
 
     stopped, searched, clear = False, 0, 0  # clear: the tokens whose text holds no stop string
 
+    def settled_text(tokens: list[int]) -> str:
+        """The text of `tokens` without a character still being decoded at its end (decoded as U+FFFD until
+        its last byte comes): a stop string must not match what is not yet a character."""
+        ids = [t for t in tokens if t not in eos]
+        text = model.tokenizer.decode(ids)
+        return text[:-1] if text.endswith("\ufffd") and model.tokenizer.ends_mid_character(ids) else text
+
     def at_stop() -> bool:
         """Whether the text now holds a stop string; if so, `out` keeps only the tokens up to the one that
         completed it (decoded a prefix at a time over this step's tokens)."""
@@ -483,15 +490,14 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
         if not stops:
             return False
         visible = _output(out, max_tokens, eos)
-        text = model.tokenizer.decode([t for t in visible if t not in eos])
+        text = settled_text(visible)
         if _find_stop(text, stops, searched) < 0:
-            # a stop string may end in the next step (and a character cut between steps decodes as U+FFFD, one
-            # per byte, until its last byte comes): search again from a little before the end
+            # a stop string may end in the next step: search again from a little before the end
             searched = max(0, len(text) - max(map(len, stops)) - 4)
             clear = len(visible)
             return False
         for n in range(clear + 1, len(visible) + 1):
-            if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in eos]), stops) >= 0:
+            if _find_stop(settled_text(visible[:n]), stops) >= 0:
                 del out[n:]
                 return True
         raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
@@ -524,7 +530,7 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
     text = model.tokenizer.decode([t for t in out if t not in eos]) if model.tokenizer is not None else ""
     reason = "stop" if stopped else "end" if out and out[-1] in eos else "length"
     if stopped:
-        text = text[:_find_stop(text, stops)]
+        text = text[:_find_stop(settled_text(out), stops)]
     return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats, finish_reason=reason)
 
 
