@@ -9,7 +9,8 @@ graph. Here nothing the next step needs lives on the host:
   the valid positions, so their shapes never depend on how many drafts were accepted;
 - the linear-attention state of every position of a verify pass is kept, and the accepted one chosen by an
   index held in an array (the roll back);
-- greedy acceptance is computed on the device: the longest prefix of drafts equal to the trunk's choices.
+- acceptance is computed on the device: the longest prefix of drafts equal to the trunk's choices (greedy:
+  argmaxes; sampled: argmaxes with the same Gumbel noise per position, or rejection sampling).
 
 So a step is a function of arrays to arrays, of fixed shapes for a given draft length: `mx.compile` traces
 it once and replays it with the elementwise work of all layers fused, and the host can queue step s + 1

@@ -17,8 +17,8 @@ warpers), which vLLM follows too:
 
 Speculative decoding (`qmtp.decoding`) applies the same function to the trunk's logits at every verified
 position and to the head's logits at every draft, each with its own history (the drafts before it
-included), so rejection sampling keeps the output exactly that of sampling the trunk alone with these
-settings.
+included), so the acceptance (coupled or rejection sampling) keeps the output exactly that of sampling the
+trunk alone with these settings.
 """
 
 from __future__ import annotations

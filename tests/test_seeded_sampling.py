@@ -123,3 +123,15 @@ def test_a_conversation_turn_with_auto_is_generate_with_seed_plus_n(templated):
             fresh = qmtp.generate(templated, g.prompt_tokens, seed=5 + turn, n_draft=n_draft, max_tokens=24,
                                   temperature=0.9, top_p=0.95)
             assert fresh.tokens == g.tokens, (turn, n_draft)
+
+
+def test_every_drafting_option_keeps_the_sampled_tokens(small_vocab_model):
+    """The engines' drafting choices change the drafts only: sampled, the tokens are plain sampling's too."""
+    options = [dict(head_cache="reset"), dict(hidden="pre"), dict(chain="pre"), dict(rollback="replay")]
+    for prompt in PROMPTS[:3]:
+        plain = qmtp.generate(small_vocab_model, prompt, max_tokens=20, temperature=1.0, seed=3).tokens
+        for opts in options:
+            for n_draft in (2, 4):
+                g = qmtp.generate(small_vocab_model, prompt, max_tokens=20, n_draft=n_draft, temperature=1.0, seed=3,
+                                  **opts)
+                assert g.tokens == plain, (opts, n_draft)
