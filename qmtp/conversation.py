@@ -75,6 +75,7 @@ class Conversation:
         settings = Settings.of(max_tokens, n_draft, seed, stop, stop_at_eos, sampling, temperature, top_k, top_p,
                                min_p, presence_penalty, frequency_penalty, repetition_penalty)
         settings.check_for(model)
+        settings.check_room(model)
         self.model, self.raw, self.seed = model, raw, int(seed)
         self.system = system
         self.enable_thinking, self.template_kwargs = chat.generation_variables(enable_thinking, chat_template_kwargs)

@@ -9,7 +9,8 @@ graph. Here nothing the next step needs lives on the host:
   the valid positions, so their shapes never depend on how many drafts were accepted;
 - the linear-attention state of every position of a verify pass is kept, and the accepted one chosen by an
   index held in an array (the roll back);
-- greedy acceptance is computed on the device: the longest prefix of drafts equal to the trunk's choices.
+- acceptance is computed on the device: the longest prefix of drafts equal to the trunk's choices (greedy:
+  argmaxes; sampled: argmaxes with the same Gumbel noise per position, or rejection sampling).
 
 So a step is a function of arrays to arrays, of fixed shapes for a given draft length: `mx.compile` traces
 it once and replays it with the elementwise work of all layers fused, and the host can queue step s + 1
@@ -34,6 +35,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .config import LINEAR
+from .errors import UsageError
 from .sampling import Sampling, one_hot, penalise, warp
 
 MIN_CAPACITY = 64
@@ -129,15 +131,44 @@ CHAINS = ("post", "pre")  # a chained draft fed the head's output after its own 
 DRAFTING = (HEAD_CACHES[0], CHAINS[0])  # the defaults: vLLM's and SGLang's
 
 
-# ---- acceptance: greedy, or rejection sampling ------------------------------------------------------------
+# ---- acceptance: greedy, coupled sampling, or rejection sampling ----------------------------------------------
 # `history`, where a strategy needs one (penalties): (counts [n, V], prompt_seen [V]), how often each token
 # was generated before each of the n positions scored (the drafts before it included) and the prompt's
 # tokens; None otherwise, and then nothing about the history is computed or carried.
-class Greedy:
+#
+# Positions: `first` is the sequence position (counted from the prompt's first token) of the token that the
+# first row of a verify pass chooses, the one after `pending`; draft d_i guesses the token at first + i - 1.
+ACCEPTANCES = ("coupled", "rejection")
+
+
+class _Acceptance:
+    """What every strategy shares: the keys its random choices use (none by default)."""
+
+    random = False  # whether it draws random numbers
+    by_position = False  # whether each token's randomness is a function of the seed and its position only
+
+    def key_at(self, key: mx.array, position) -> mx.array:
+        """The key that chooses the token at `position` (a step's own key where randomness is per step)."""
+        return key
+
+    def keys(self, key: mx.array, first, n: int) -> list:
+        """The keys that choose the drafts at positions first..first + n - 1."""
+        return [key] * n
+
+
+def _agreeing_prefix(drafts: mx.array, choices: mx.array):
+    """Drafts [k] and the trunk's choices [k + 1] -> (how many leading drafts equal the choices, the trunk's
+    choice after the last of them [1])."""
+    if drafts.size:
+        accepted = mx.cumprod((drafts == choices[:-1]).astype(mx.int32)).sum()
+    else:
+        accepted = mx.array(0)
+    return accepted, mx.take(choices, accepted.reshape(1))
+
+
+class Greedy(_Acceptance):
     """Drafts and the trunk's tokens are argmaxes; a draft is kept while it equals the trunk's choice.
     With penalties (`Sampling`), argmaxes of the penalised logits, each position with its own history."""
-
-    random = False
 
     def __init__(self, sampling: Sampling | None = None):
         self.sampling = sampling if sampling is not None and sampling.penalised else None
@@ -153,24 +184,85 @@ class Greedy:
         return mx.argmax(self._scores(logits, history), axis=-1).astype(mx.int32), None
 
     def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
-               key: mx.array, history=None):
+               key: mx.array, history=None, first=None):
         """Drafts [k], verify logits [k + 1, V] -> (accepted drafts, the trunk's next
         token [1])."""
-        choices = mx.argmax(self._scores(logits, history), axis=-1).astype(mx.int32)
-        if drafts.size:
-            agree = (drafts == choices[:-1]).astype(mx.int32)
-            accepted = mx.cumprod(agree).sum()
-        else:
-            accepted = mx.array(0)
-        return accepted, mx.take(choices, accepted.reshape(1))
+        return _agreeing_prefix(drafts, mx.argmax(self._scores(logits, history), axis=-1).astype(mx.int32))
 
 
-class Rejection:
+def position_key(key: mx.array, position) -> mx.array:
+    """The key of the token at `position` (an int or an int32 array): a function of the seed's key and the
+    position only. The seed's key is hashed first, so that neighbouring seeds (a conversation's turns: seed + n)
+    do not share the keys of shifted positions; the position then enters one word of it, and the result is
+    hashed again (MLX's keys are threefry keys, which may serve as stream ids)."""
+    seed_words = mx.random.split(key)[0]
+    word = mx.array(position).astype(mx.uint32)
+    mixed = mx.bitwise_xor(seed_words, mx.stack([mx.array(0, mx.uint32), word]))
+    return mx.random.split(mixed)[0]
+
+
+def gumbel_noise(key: mx.array, vocab: int) -> mx.array:
+    """Standard Gumbel noise [V] from a position's key (what `mx.random.categorical` adds to log-weights)."""
+    return mx.random.gumbel((vocab,), key=key)
+
+
+class Coupled(_Acceptance):
+    """Sampling by the Gumbel-max trick with one noise per position, shared by the drafts and the trunk: the
+    token at position t is argmax(log p_t + g_t), a sample of p_t, the trunk's processed distribution
+    (`qmtp.sampling`), g_t Gumbel noise that depends on the seed and t only (`position_key`); the draft for t
+    is argmax(log q_t + g_t) with the same g_t, and is kept while it equals the trunk's token.
+
+    So the tokens are a function of the seed and the trunk's distributions alone: the same whatever the widths
+    (n_draft 1..8 or "auto", whose widths follow the clock), from one run to the next, and in a batch whatever
+    the other rows do. Each g_t is independent of the noise that chose the tokens before t, so token t has the
+    law p_t given them: exactly the trunk's distribution. The price: a draft is kept with probability
+    P(argmax(log q + g) = argmax(log p + g)), at most rejection sampling's sum(min(p, q))
+    (`tools/measure_coupling.py` measures the difference)."""
+
+    random = True
+    by_position = True
+
+    def __init__(self, sampling: Sampling | float):
+        if not isinstance(sampling, Sampling):
+            sampling = Sampling(temperature=float(sampling))
+        self.sampling = sampling
+        self.history = sampling.penalised
+        self.key = ("coupled", sampling.key)
+
+    def key_at(self, key: mx.array, position) -> mx.array:
+        return position_key(key, position)
+
+    def keys(self, key: mx.array, first, n: int) -> list:
+        return [position_key(key, first + i) for i in range(n)]
+
+    def _scores(self, logits, history):
+        """log p up to a constant per row: the processed logits (softmax's normaliser moves no argmax)."""
+        if history is not None:
+            logits = penalise(logits, *history, self.sampling)
+        return warp(logits, self.sampling)
+
+    def pick(self, logits: mx.array, key: mx.array, history=None):
+        """A token [1] from logits [1, V] with its position's key (`key_at`)."""
+        scores = self._scores(logits, history)
+        noise = gumbel_noise(key, scores.shape[-1])
+        return mx.argmax(scores + noise[None], axis=-1).astype(mx.int32), None
+
+    def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
+               key: mx.array, history=None, first=None):
+        scores = self._scores(logits, history)  # [k + 1, V]
+        noise = mx.stack([gumbel_noise(position_key(key, first + j), scores.shape[-1])
+                          for j in range(scores.shape[0])])
+        return _agreeing_prefix(drafts, mx.argmax(scores + noise, axis=-1).astype(mx.int32))
+
+
+class Rejection(_Acceptance):
     """Sampling (`Sampling`, or a temperature alone): draft d ~ q, kept with probability min(1, p(d) / q(d));
     at the first rejection the next token is drawn from max(0, p - q) renormalised, after all k from p
     (Leviathan et al. 2023). p and q are the processed distributions (`qmtp.sampling`: penalties,
     temperature, top-k, top-p, min-p) of the trunk's and the head's logits, each position with its own
-    history, so the tokens have exactly the distribution of sampling the trunk alone with those settings."""
+    history, so the tokens have exactly the distribution of sampling the trunk alone with those settings.
+    Its random numbers are drawn per step, so the tokens depend on the widths: `Coupled` is the default,
+    this the reference it is measured against (`generate(..., engine=Engine(acceptance="rejection"))`)."""
 
     random = True
 
@@ -183,6 +275,9 @@ class Rejection:
         plain = not (sampling.penalised or sampling.filtered)
         self.key = ("sample", self.temperature) if plain else ("sample", sampling.key)
 
+    def keys(self, key: mx.array, first, n: int) -> list:
+        return mx.random.split(key, n)
+
     def _distribution(self, logits, history=None):
         if history is not None:
             logits = penalise(logits, *history, self.sampling)
@@ -193,7 +288,7 @@ class Rejection:
         return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q[0]
 
     def accept(self, drafts: mx.array, draft_dists: list, logits: mx.array,
-               key: mx.array, history=None):
+               key: mx.array, history=None, first=None):
         p = self._distribution(logits, history)  # [k + 1, V]
         k = drafts.size
         test_key, draw_key = mx.random.split(key)
@@ -210,9 +305,15 @@ class Rejection:
         return accepted, mx.random.categorical(mx.log(row), key=draw_key).astype(mx.int32)
 
 
-def strategy_for(sampling: Sampling):
-    """Greedy at temperature 0 (penalties still apply), rejection sampling otherwise."""
-    return Greedy(sampling) if sampling.greedy else Rejection(sampling)
+def strategy_for(sampling: Sampling, acceptance: str = "coupled"):
+    """Greedy at temperature 0 (penalties still apply); otherwise sampling with `acceptance`: "coupled" (the
+    default: drafts and trunk share each position's noise, so a seed gives the same tokens at any width) or
+    "rejection" (Leviathan et al.'s rejection sampling, per-step randomness)."""
+    if acceptance not in ACCEPTANCES:
+        raise UsageError(f"acceptance={acceptance!r:.40}: use 'coupled' (the default) or 'rejection'")
+    if sampling.greedy:
+        return Greedy(sampling)
+    return Coupled(sampling) if acceptance == "coupled" else Rejection(sampling)
 
 
 # ---- one step: draft, verify, accept, roll back -----------------------------------------------------------
@@ -248,7 +349,7 @@ def draft(model, head, k: int, strategy, state: dict, last, key, head_cache: str
         z_pre, z = (mx.take(s, last_kept, axis=1) for s in (z_pre, z))
         at = offset
     drafts, dists, finite = [], [], []
-    keys = mx.random.split(key, k) if strategy.random else [key] * k
+    keys = strategy.keys(key, state["offset"] + 1, k)  # d_1 guesses the token after `pending`
     counts = history[0][None] if history is not None else None
     for i, draft_key in enumerate(keys):
         logits = model.logits(z)[:, -1].astype(mx.float32)
@@ -302,9 +403,9 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
     logits for d_i were not finite (such a draft is an arbitrary token, which
     verification treats like any other). With k = 0 and `follows`, the head still reads
     the last pass (`follow`), so that a later step can draft."""
-    if strategy.random:
+    if strategy.random and not strategy.by_position:  # per-step randomness: a new key for each step
         key, draft_key, accept_key = mx.random.split(key, 3)
-    else:
+    else:  # none, or the seed's key, from which each position's key is made
         draft_key = accept_key = key
     _, next_tokens, keep = last
     pending = mx.take(next_tokens, (keep - 1).reshape(1), axis=1)
@@ -328,7 +429,7 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
         counts = state["counts"][None] + mx.cumsum(one_hot(tokens[0], vocab), axis=0)
         rows = (counts, history[1])
     accepted, next_token = strategy.accept(tokens[0, 1:], dists, logits, accept_key,
-                                           rows)
+                                           rows, state["offset"] + 1)
     keep = accepted + 1
     if history is not None:  # the kept tokens enter the cache: pending, d_1..d_accepted
         new_state["counts"] = mx.take(counts, accepted.reshape(1), axis=0)[0]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import WIDTHS
-from .decoding import CHAINS, HEAD_CACHES
+from .decoding import ACCEPTANCES, CHAINS, HEAD_CACHES
 from .errors import UsageError
 from .mtp import MTPHead
 from .sampling import Sampling
@@ -119,6 +119,16 @@ class Settings:
             raise UsageError("stop strings are matched in the decoded text, and this model has no tokenizer")
         return self.sampler(model)
 
+    def check_room(self, model) -> None:
+        """For settings used with prompts not yet known (a conversation's turns): a reply of `max_tokens` and its
+        drafts must leave room for a prompt of one token in the context."""
+        widest, limit = self.widest, model.config.max_position_embeddings
+        if self.max_tokens + widest > limit:
+            drafts = f" and {widest - 1} drafted ahead" if widest > 1 else ""
+            raise UsageError(f"max_tokens={self.max_tokens}: a reply of {self.max_tokens} tokens{drafts} leaves no "
+                             f"room for a prompt in the context of {limit} positions: ask for at most "
+                             f"{limit - widest}")
+
 
 @dataclass(frozen=True)
 class Engine:
@@ -131,6 +141,10 @@ class Engine:
     chain: "post" feeds a chained draft (n_draft >= 3) the head's own output after its final norm; "pre" before.
     rollback: "record" keeps each position's linear-attention state during verification; "replay" runs the
         accepted tokens again from the state before the pass.
+    acceptance: how a sampled draft is kept. "coupled": each position's token is chosen with noise made from the
+        seed and the position alone, shared by the draft, so a seed gives the same tokens at every n_draft, "auto"
+        included (`decoding.Coupled`); "rejection": Leviathan et al.'s rejection sampling, random per step
+        (`decoding.Rejection`), which keeps about 1% more first drafts. Both keep the trunk's law exactly.
     track_experts: count the distinct experts each verify pass reads (`Stats.experts_per_pass`).
     compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a trace), or
         reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s ablation).
@@ -141,6 +155,7 @@ class Engine:
     head_cache: str = "keep"
     chain: str = "post"
     rollback: str = "record"
+    acceptance: str = "coupled"
     track_experts: bool = True
     compiled: bool = True
     queue_ahead: bool = True
@@ -151,7 +166,7 @@ class Engine:
             raise UsageError(f"head: give an MTP head (e.g. qmtp.mtp.without_routed_experts(model.mtp)), not "
                              f"{type(self.head).__name__}")
         for name, allowed in (("hidden", HIDDEN), ("head_cache", HEAD_CACHES), ("chain", CHAINS),
-                              ("rollback", ROLLBACKS)):
+                              ("rollback", ROLLBACKS), ("acceptance", ACCEPTANCES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
         if self.timer is not None and not callable(self.timer):

@@ -62,11 +62,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class PrefixCache:
     """What `generate(..., prefix_cache=cache)` leaves for the next call: the state after the last generation,
-    the token ids it holds, and snapshots of the linear-attention state. One model's: it refuses another.
-    Drafting with another head (or none), or feeding the head other trunk states (`hidden`), starts it anew."""
+    the token ids it holds, and snapshots of the linear-attention state. One model's while it holds a state: it
+    refuses another until `clear()`. Drafting with another head (or none), or feeding the head other trunk
+    states (`hidden`), starts it anew."""
 
     def __init__(self):
-        self.model = None
         self.marks: set[int] = set()  # positions of the next prompt to snapshot at
         self.clear()
 
@@ -74,7 +74,8 @@ class PrefixCache:
         return f"PrefixCache({len(self.tokens)} tokens held, {len(self.snapshots)} snapshots)"
 
     def clear(self) -> None:
-        """Forget the state: the next generation prefills its whole prompt."""
+        """Forget the state: the next generation prefills its whole prompt, with any model."""
+        self.model = None  # the model whose state this is: with none held, the cache is no model's
         self.tokens: list[int] = []  # the ids the state holds (the last generated token is not fed)
         self.state: dict | None = None
         self.pending: mx.array | None = None  # see `Resume`; None with a head: the head fell behind (a plain step)
@@ -97,12 +98,12 @@ class PrefixCache:
         its buffers), and comes back with `settle`."""
         if self.model is not None and self.model is not model:
             raise UsageError("prefix_cache holds another model's decoding state: give each model its own "
-                             "PrefixCache (or clear() this one)")
-        self.model = model
+                             "PrefixCache (or clear() this one, which frees it for any model)")
         owner = (id(drafter) if drafter is not None else None, hidden)
         if owner != self.owner:
             self.clear()
             self.owner = owner
+        self.model = model
         # at least the last prompt token is fed: its logits choose the first new token
         common = min(common_prefix(self.tokens, prompt_tokens), len(prompt_tokens) - 1)
         live = self.state is not None and common == len(self.tokens) and (drafter is None or self.pending is not None)

@@ -17,13 +17,12 @@ warpers), which vLLM follows too:
 
 Speculative decoding (`qmtp.decoding`) applies the same function to the trunk's logits at every verified
 position and to the head's logits at every draft, each with its own history (the drafts before it
-included), so rejection sampling keeps the output exactly that of sampling the trunk alone with these
-settings.
+included), so the acceptance (coupled or rejection sampling) keeps the output exactly that of sampling the
+trunk alone with these settings.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import astuple, dataclass, fields, replace
@@ -31,7 +30,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import UsageError
+from .checkpoint import read_json
+from .errors import CheckpointError, UsageError
+
+GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -89,17 +91,31 @@ class Sampling:
     @classmethod
     def of_model(cls, model) -> Sampling:
         """The settings the checkpoint's `generation_config.json` declares (fields it leaves out keep the
-        defaults above; `do_sample: false` is greedy); greedy when the file is absent."""
-        path = Path(model.path) / "generation_config.json" if getattr(model, "path", None) else None
-        if path is None or not path.is_file():
+        defaults above; `do_sample: false` is greedy); greedy when the file is absent (a model without a
+        path has none). A file that is there but unreadable, not a JSON object, or holding a setting out of
+        range is a CheckpointError naming it: never read as greedy."""
+        path = Path(model.path) / GENERATION_CONFIG if getattr(model, "path", None) else None
+        if path is None or not (path.exists() or path.is_symlink()):
             return cls()
-        return cls.from_generation_config(json.loads(path.read_text()))
+        config = read_json(path, what=GENERATION_CONFIG)  # a directory, a FIFO, bad UTF-8 or JSON: one line
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: expected a JSON object of generation settings, not a "
+                                  f"{type(config).__name__}")
+        try:
+            return cls.from_generation_config(config)
+        except UsageError as err:
+            raise CheckpointError(f"{path}: {err}") from None
 
     @classmethod
     def from_generation_config(cls, config: dict) -> Sampling:
+        if not isinstance(config, dict):
+            raise UsageError(f"a generation config is a dict of settings, not a {type(config).__name__}")
+        do_sample = config.get("do_sample")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise UsageError(f"do_sample={do_sample!r:.40} must be true or false")
         names = {f.name for f in fields(cls)}
         settings = cls(**{k: v for k, v in config.items() if k in names and v is not None})
-        if config.get("do_sample") is False:
+        if do_sample is False:
             settings = replace(settings, temperature=0.0)
         return settings
 

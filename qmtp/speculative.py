@@ -5,9 +5,12 @@ One step, with the trunk's cache holding x_0..x_t and the trunk's choice x_{t+1}
 1. draft: the head turns (h_t, x_{t+1}) into a guess d_1 for x_{t+2}; fed its own post-norm output and
    d_1 it guesses d_2, and so on: `n_draft - 1` drafts.
 2. verify: one trunk pass over [x_{t+1}, d_1, ..., d_k] gives the trunk's own choice after each of them.
-3. accept: the longest prefix of drafts the trunk agrees with, plus the trunk's next token (greedy), or,
-   when sampling, each draft with probability min(1, p/q) and a resample from max(0, p - q) at the first
-   rejection (Leviathan et al. 2023). Either way the output has exactly the trunk's distribution.
+3. accept: the longest prefix of drafts the trunk agrees with, plus the trunk's next token. Greedy: the
+   argmaxes. Sampling (`qmtp.Engine(acceptance="coupled")`, the default): the trunk's token and the draft at a position
+   are argmaxes of their log-probabilities plus the same Gumbel noise, made from the seed and the position,
+   so the tokens do not depend on the widths. `Engine(acceptance="rejection")`: each draft kept with probability
+   min(1, p/q) and a resample from max(0, p - q) at the first rejection (Leviathan et al. 2023). Every way,
+   the output has exactly the trunk's distribution.
 4. roll back: every cache is cut back to the accepted tokens, as if only they had been decoded.
 
 `n_draft` follows the seed engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
@@ -287,7 +290,8 @@ def generate(model: Model, prompt=None, max_tokens: int = 64, n_draft: int | str
             the reference engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
         temperature: 0 (the default) for greedy; otherwise the tokens have exactly the trunk's distribution,
-            processed as below.
+            processed as below (`qmtp.Engine`'s acceptance: coupled by default, so a seed
+            gives the same tokens at every n_draft, "auto" included).
         seed: the sampler's seed.
         messages: a conversation ([{"role": "user", "content": ...}, ...]) instead of `prompt`: the prompt is
             `model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
@@ -346,7 +350,7 @@ def decode(model: Model, prompt_tokens: list[int], settings: Settings, engine: E
     stats = Stats(n_draft=settings.n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * (widest - 1),
                   accepted=[0] * (widest - 1))
     recorder = ExpertRecorder() if engine.track_experts else None
-    strategy = decoding.strategy_for(sampler)
+    strategy = decoding.strategy_for(sampler, engine.acceptance)
     n_draft, learned = settings.n_draft, None
     if n_draft == "auto":
         n_draft, learned = _planner(model, drafter, strategy, engine)
@@ -402,6 +406,13 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
 
     stopped, searched, clear = False, 0, 0  # clear: the tokens whose text holds no stop string
 
+    def settled_text(tokens: list[int]) -> str:
+        """The text of `tokens` without a character still being decoded at its end (decoded as U+FFFD until
+        its last byte comes): a stop string must not match what is not yet a character."""
+        ids = [t for t in tokens if t not in eos]
+        text = model.tokenizer.decode(ids)
+        return text[:-1] if text.endswith("\ufffd") and model.tokenizer.ends_mid_character(ids) else text
+
     def at_stop() -> bool:
         """Whether the text now holds a stop string; if so, `out` keeps only the tokens up to the one that
         completed it (decoded a prefix at a time over this step's tokens)."""
@@ -409,15 +420,14 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
         if not stops:
             return False
         visible = _output(out, max_tokens, eos)
-        text = model.tokenizer.decode([t for t in visible if t not in eos])
+        text = settled_text(visible)
         if _find_stop(text, stops, searched) < 0:
-            # a stop string may end in the next step (and a character cut between steps decodes as U+FFFD, one
-            # per byte, until its last byte comes): search again from a little before the end
+            # a stop string may end in the next step: search again from a little before the end
             searched = max(0, len(text) - max(map(len, stops)) - 4)
             clear = len(visible)
             return False
         for n in range(clear + 1, len(visible) + 1):
-            if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in eos]), stops) >= 0:
+            if _find_stop(settled_text(visible[:n]), stops) >= 0:
                 del out[n:]
                 return True
         raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
@@ -450,7 +460,7 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
     text = model.tokenizer.decode([t for t in out if t not in eos]) if model.tokenizer is not None else ""
     reason = "stop" if stopped else "end" if out and out[-1] in eos else "length"
     if stopped:
-        text = text[:_find_stop(text, stops)]
+        text = text[:_find_stop(settled_text(out), stops)]
     return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats, finish_reason=reason)
 
 
@@ -499,7 +509,8 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
     produced = 1
     if produced >= max_tokens or first in eos:
         return
-    key = mx.random.split(key)[1]
+    if not strategy.by_position:  # the prefill's draw used `key`: the steps' keys are split off it
+        key = mx.random.split(key)[1]
 
     def queue(state, last, key):
         n = planner.choose() if planner else n_draft
@@ -591,7 +602,7 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
         seen[prompt_tokens] = True
         state["prompt_seen"] = mx.array(seen)
         history = (state["counts"][None], state["prompt_seen"])
-    first, _ = strategy.pick(logits, key, history)
+    first, _ = strategy.pick(logits, strategy.key_at(key, len(prompt_tokens)), history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token

@@ -14,6 +14,7 @@ A tokenizer loaded from a model directory also carries the model's chat template
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import warnings
@@ -342,6 +343,23 @@ class Tokenizer:
         """Text of ``ids``; special tokens are kept, so ``decode(encode(s)) == s``."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def ends_mid_character(self, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids`` ends inside a character: its last bytes begin a UTF-8 sequence that
+        more tokens would complete (``decode`` shows them as U+FFFD until they come, and shows a U+FFFD that
+        is in the text, or bytes that can start no character, the same way). Judged on the bytes for a
+        byte-level BPE (Qwen's, the bundled model's); otherwise, as tokenizers' DecodeStream judges it, by
+        a trailing U+FFFD."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return self.decode(ids).endswith("\ufffd")
+        tail = b""
+        for token_id in reversed(list(ids)):  # an unfinished character is at most 3 bytes: the last 4 suffice
+            tail = _token_bytes(self.backend.id_to_token(int(token_id)) or "") + tail
+            if len(tail) >= 4:
+                break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail[-4:])
+        return bool(decoder.getstate()[0])
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -350,6 +368,27 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's table), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def _token_bytes(token: str) -> bytes:
+    """The bytes a byte-level decoder makes of one token: its characters through the table, or, if one is not
+    in it (an added token's text), its UTF-8 bytes (as the tokenizers library does)."""
+    if all(c in _BYTE_OF for c in token):
+        return bytes(_BYTE_OF[c] for c in token)
+    return token.encode("utf-8")
 
 
 def _refuse_dangling(path: Path) -> None:

@@ -72,11 +72,12 @@ def sequence_law(model, prompt, s: Sampling, length: int = 3):
     return law
 
 
-def sample_counts(model, prompt, s: Sampling, n: int, n_draft: int, length: int = 3) -> dict:
+def sample_counts(model, prompt, s: Sampling, n: int, n_draft: int, length: int = 3,
+                  acceptance: str = "coupled") -> dict:
     counts = {}
     for seed in range(n):
         g = qmtp.generate(model, prompt, max_tokens=length, n_draft=n_draft, seed=seed, stop_at_eos=False,
-                          sampling=s)
+                          sampling=s, engine=qmtp.Engine(acceptance=acceptance))
         counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
     return counts
 
@@ -105,24 +106,26 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("acceptance", ["coupled", "rejection"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculative_sampling_keeps_the_processed_trunk_law(small_vocab_model, case):
+def test_speculative_sampling_keeps_the_processed_trunk_law(small_vocab_model, case, acceptance):
     settings, other = CASES[case]
     n_draft = 2 if case == "min_p" else 3  # one case at n_draft 2, the rest with two drafts a step
     n = 1000
     law = sequence_law(small_vocab_model, PROMPT, settings)
-    counts = sample_counts(small_vocab_model, PROMPT, settings, n, n_draft)
+    counts = sample_counts(small_vocab_model, PROMPT, settings, n, n_draft, acceptance=acceptance)
     assert chi_square_p_value(counts, law, n) > 1e-3
     # the test has power: the same counts reject the law without the setting under test
     assert rejects(counts, sequence_law(small_vocab_model, PROMPT, other), n)
 
 
-def test_plain_sampling_follows_the_reference_law_too(small_vocab_model):
+@pytest.mark.parametrize("acceptance", ["coupled", "rejection"])
+def test_plain_sampling_follows_the_reference_law_too(small_vocab_model, acceptance):
     """n_draft=1 with a filter and a penalty: the reference and qmtp.sampling agree without speculation."""
     settings = Sampling(temperature=2.0, top_k=3, presence_penalty=1.0)
     n = 400
     law = sequence_law(small_vocab_model, PROMPT, settings, length=2)
-    counts = sample_counts(small_vocab_model, PROMPT, settings, n, n_draft=1, length=2)
+    counts = sample_counts(small_vocab_model, PROMPT, settings, n, n_draft=1, length=2, acceptance=acceptance)
     assert chi_square_p_value(counts, law, n) > 1e-3
     assert rejects(counts, sequence_law(small_vocab_model, PROMPT, Sampling(temperature=2.0), 2), n)
 
