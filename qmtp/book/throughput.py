@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from ..adaptive import expected_tokens_per_pass
 from ..config import FULL, LINEAR, ModelConfig
 from ..sizes import SizeReport, sizes
-from .claims import CLAIMS
+from .claimed import CLAIMS
 
 GB = 1e9
 HEAD_BITS = None  # the head in bf16: as this book converts it (chapter 4) and as the published engines load it
