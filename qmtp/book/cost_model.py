@@ -344,3 +344,173 @@ def verdict() -> str:
         f"{sum(w['right'] for w in strict_runs)} of {len(strict_runs)} sweeps' best widths are right: the best "
         f"width follows how fast acceptance falls with the draft's length, which differs between engines and "
         f"prompts.")
+
+
+# ---- the bottom line per kind of hardware -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    """A kind of hardware: which published rows are of it (by a word of their `hardware`) and the memory a
+    machine of it holds, for which widths fit."""
+
+    name: str
+    words: tuple[str, ...]
+    memory_gb: int
+    memory_note: str
+
+
+KINDS = (
+    Kind("AMD Strix Halo (Radeon 8060S, 256 GB/s)", ("Strix Halo",), 128, "128 GB, the Ryzen AI Max+ 395's largest"),
+    Kind("AMD Strix Point (Radeon 890M, 120 GB/s)", ("890M",), 32, "32 GB, an assumed laptop"),
+    Kind("Apple M-series (M2/M3 Ultra, 819 GB/s)", ("Apple",), 96, "96 GB, the smallest M3 Ultra"),
+    Kind("NVIDIA GPUs (A100, RTX 3060 Laptop)", ("NVIDIA", "RTX"), 80, "80 GB, an A100; a 6 GB RTX 3060 Laptop "
+         "holds part of any width"),
+    Kind("A CPU", ("CPU",), 0, "this machine's memory"),
+)
+WIDTHS_FIT = (16, 8, 6, 4)  # bf16 (the release) and the trunk widths this book converts to, the head in bf16
+
+
+def best_width(row: Published, c: float, fit: AcceptanceFit) -> tuple[int, dict[int, float]]:
+    """The model's best n_draft for the row's machine at the fitted acceptance (a reader's own is unknown), and
+    the predicted tokens/s at every width of `WIDTHS`."""
+    speeds = {n: predicted_tps(row, n, c, fit, own=False) for n in WIDTHS}
+    return max(speeds, key=speeds.get), speeds
+
+
+def widths_that_fit(memory_gb: float, config=None) -> list[str]:
+    """Which trunk widths (head in bf16, bf16 activations) fit a machine of `memory_gb` GiB beside the runtime
+    (`budget.fits`)."""
+    from .budget import memory_bytes
+
+    names = {16: "bf16"}
+    kept = [w for w in WIDTHS_FIT if fits(memory_bytes(bits=w, dtype_bytes=2) if config is None else
+                                          memory_bytes(config, w, dtype_bytes=2), int(memory_gb))]
+    return [names.get(w, f"{w}-bit") for w in kept]
+
+
+def _calibrations(kind: Kind) -> list[Published]:
+    """One comparable row per (engine, machine, width, plain figure) of `kind`, the first of a sweep standing
+    for it."""
+    out, seen = [], set()
+    for r in rows():
+        key = (r.engine, r.hardware, r.bits, r.member, r.plain_tps, r.context)
+        if any(w in r.hardware for w in kind.words) and comparable(r)[0] and key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _option_text(engines: dict[str, tuple[str, set[int]]]) -> str:
+    """Each engine's own setting for its best widths: engine -> (whose convention it follows, the n_drafts)."""
+    parts = []
+    for engine, (convention, ns) in engines.items():
+        known = next((e for e in published.ENGINE_DRAFT_COUNTS if convention.startswith(e)), None)
+        if known:
+            option = published.ENGINE_DRAFT_COUNTS[known][0]
+            values = sorted(published.from_n_draft(known, n) for n in ns)
+            shown = str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+            parts.append(f"{engine}: {option} {shown}")
+    return "; ".join(dict.fromkeys(parts))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _sureness(errors: list[float], sources: int) -> str:
+    worst = max(abs(e) for e in errors)
+    label = "fair" if worst <= GOAL_WITHIN and sources >= 2 else "some" if worst <= 0.20 else "low"
+    return (f"{label}: {_plural(len(errors), 'run')} from {_plural(sources, 'source')}, out-of-sample errors up "
+            f"to {worst:.0%}")
+
+
+def _priced_kind(kind: Kind, c: float, fit: AcceptanceFit) -> dict:
+    """One row of the bottom line for a kind with published runs to calibrate by."""
+    mine = [v for v in validate() if any(w in v.row.hardware for w in kind.words)]
+    priced = [v for v in mine if v.comparable]
+    speedups = [v.row.speedup for v in priced]
+    unpriced = [v for v in mine if not v.comparable]
+    best = {}
+    for r in _calibrations(kind):
+        n, speeds = best_width(r, c, fit)
+        best[r.key] = (r, n, speeds[n] / r.plain_tps, sorted(speeds.values())[-2] / speeds[n] > 1 - FLAT)
+    widths = sorted({n for _, n, _, _ in best.values()})
+    gains = [g for _, _, g, _ in best.values()]
+    shown = f"{min(gains):.2f}x" + (f" to {max(gains):.2f}x" if f"{max(gains):.2f}" != f"{min(gains):.2f}" else "")
+    relative = [x for x in RELATIVE if any(w in x.hardware for w in kind.words)]
+    extra = "".join(f"; {x.engine} {x.gain[0] - 1:+.0%}" + (f" to {x.gain[1] - 1:+.0%}" if x.gain[1] != x.gain[0]
+                                                            else "") + " (no tok/s given)" for x in relative)
+    n_text = "-".join(str(w) for w in (widths[0], widths[-1])) if len(widths) > 1 else str(widths[0])
+    flat = any(f for _, _, _, f in best.values())
+    engines: dict[str, tuple[str, set[int]]] = {}
+    for r, n, _, _ in best.values():
+        engines.setdefault(r.engine, (r.convention or r.engine, set()))[1].add(n)
+    spread = f"{min(speedups):.2f}x" + (f" to {max(speedups):.2f}x" if max(speedups) > min(speedups) else "")
+    others = "".join(f"; {v.row.member} on {v.row.hardware}: {v.row.speedup:.2f}x, not priced" for v in unpriced)
+    return {
+        "hardware": kind.name,
+        "engines": ", ".join(dict.fromkeys([v.row.engine for v in mine] + [x.engine for x in relative])),
+        "published": f"{spread} in {_plural(len(priced), 'run')}{others}{extra}",
+        "sources": sorted({v.row.source for v in mine} | {x.source for x in relative}),
+        "predicted": f"{shown} at the best width, validated within "
+                     f"{max(abs(v.error) for v in priced):.0%} on these runs (median "
+                     f"{sorted(abs(v.error) for v in priced)[len(priced) // 2]:.0%})",
+        "n_draft": f"{n_text} ({_option_text(engines)}); qmtp: n_draft={widths[-1]}"
+                   + (" or \"auto\" (the best width is less than 2% ahead)" if flat else ""),
+        "best n_draft": widths, "predicted gain": (min(gains), max(gains)),
+        "fits": (", ".join(widths_that_fit(kind.memory_gb)) or "none") + f" ({kind.memory_note})",
+        "sure": _sureness([v.error for v in priced], len({v.row.source for v in priced})),
+    }
+
+
+def _cpu_kind(kind: Kind, fit: AcceptanceFit, real_width: dict | None, memory_gb: float | None) -> dict:
+    """The CPU row: nothing published prices a CPU; chapter 6 measured qmtp on MLX's CPU backend here."""
+    relative = [x for x in RELATIVE if "CPU" in x.hardware]
+    tau = fit.tokens_per_pass(2)
+    if real_width:
+        cost = real_width["break_even_n_draft_2"]
+        pays = cost < tau
+        predicted = (f"not priced (no plain figure published for a CPU); measured here, a step at n_draft 2 costs "
+                     f"{cost:.2f} plain passes at the real widths against {tau:.2f} tokens it yields")
+        n_draft = "2" if pays else "1 (plain decoding) with qmtp on MLX's CPU backend"
+        sure = "measured here for qmtp on MLX's CPU backend (chapter 6); nothing calibrates other CPU engines"
+    else:
+        predicted, n_draft = "not priced (no plain figure published for a CPU; chapter 6 not run)", "-"
+        sure = "low: nothing measured or published to calibrate by"
+    memory = f"{memory_gb:.0f} GB, this machine" if memory_gb else kind.memory_note
+    return {
+        "hardware": kind.name, "engines": "qmtp on MLX (measured here), " + ", ".join(x.engine for x in relative),
+        "published": "; ".join(f"{x.engine} {x.gain[0] - 1:+.0%} (no tok/s given)" for x in relative),
+        "sources": sorted({x.source for x in relative}), "predicted": predicted, "n_draft": n_draft,
+        "best n_draft": [], "predicted gain": None,
+        "fits": ((", ".join(widths_that_fit(memory_gb)) or "none") if memory_gb else "-") + f" ({memory})",
+        "sure": sure,
+    }
+
+
+def bottom_line(real_width: dict | None = None, memory_gb: float | None = None) -> list[dict]:
+    """One row per kind of hardware (`KINDS`): the engines its numbers come from, the published range and its
+    sources (bib keys), the model's prediction with its out-of-sample error, the n_draft to set (each engine's
+    option beside it), the widths that fit, and how sure the book is. `real_width`: chapter 6's saved
+    `real_width_summary` (this machine's real-width passes), for the CPU row; `memory_gb`: this machine's memory."""
+    c, fit = fitted_without(None)
+    return [_cpu_kind(k, fit, real_width, memory_gb) if k.words == ("CPU",) else _priced_kind(k, c, fit)
+            for k in KINDS]
+
+
+def bottom_line_prose(table_rows: list[dict]) -> str:
+    """What the bottom line says, in sentences, after the table."""
+    priced = [r for r in table_rows if r["predicted gain"]]
+    low = min(r["predicted gain"][0] for r in priced)
+    high = max(r["predicted gain"][1] for r in priced)
+    widths = sorted({w for r in priced for w in r["best n_draft"]})
+    cpu = next(r for r in table_rows if not r["predicted gain"])
+    long_row = next(v for v in validate() if "long_context" in v.row.conditions)
+    return (
+        f"On every GPU and APU with a published plain figure, the model calibrated on that figure predicts that "
+        f"MTP pays, {low:.2f}x to {high:.2f}x at its best width, which is n_draft {widths[0]} to {widths[-1]}: "
+        f"longer than one draft, because half of what a pass costs beyond its bytes is paid once per pass and "
+        f"shared by the tokens a step yields (c = {fitted_without(None)[0]:.2f}). These are short prompts; at "
+        f"{long_row.row.context} tokens of context the same vLLM on Strix Halo ran at {long_row.row.speedup:.2f}x, "
+        f"a cost of attention the model does not price. On a CPU, {cpu['n_draft'].split(' with')[0]} is the "
+        f"setting for qmtp on MLX's CPU backend ({cpu['predicted'].split('; ')[-1]}); ik_llama.cpp's published "
+        f"CPU gain says other kernels can differ, untested here.")
