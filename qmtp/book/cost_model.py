@@ -514,3 +514,18 @@ def bottom_line_prose(table_rows: list[dict]) -> str:
         f"a cost of attention the model does not price. On a CPU, {cpu['n_draft'].split(' with')[0]} is the "
         f"setting for qmtp on MLX's CPU backend ({cpu['predicted'].split('; ')[-1]}); ik_llama.cpp's published "
         f"CPU gain says other kernels can differ, untested here.")
+
+
+def calibrated_best() -> dict:
+    """Over every machine the published runs calibrate (fitted on every source): the lowest and highest
+    predicted speedup at each one's best width, and those widths."""
+    c, fit = fitted_without(None)
+    seen, gains, widths = set(), [], set()
+    for r in rows():
+        key = (r.engine, r.hardware, r.bits, r.member, r.plain_tps, r.context)
+        if comparable(r)[0] and key not in seen:
+            seen.add(key)
+            n, speeds = best_width(r, c, fit)
+            gains.append(speeds[n] / r.plain_tps)
+            widths.add(n)
+    return {"low": min(gains), "high": max(gains), "widths": sorted(widths), "machines": len(seen)}
