@@ -15,6 +15,7 @@ Claims about the real config's arithmetic (sizes) or about behaviour every model
 from __future__ import annotations
 
 
+from .budget import is_real_model  # noqa: F401  (chapters 6 and 8 call it here)
 from .claimed import CLAIMS, Claim  # noqa: F401  (the claims as data; chapter 8 reads them here)
 
 HOLDS, PARTLY, FAILS, UNTESTABLE = "holds", "holds in part", "does not hold", "not testable here"
@@ -240,12 +241,3 @@ def _six_bit(ch4):
 
 def _widths(bits) -> str:
     return ", ".join(f"{b}-bit" for b in bits) or "nothing"
-
-
-def is_real_model(config) -> bool:
-    """Whether `config` is Qwen3.6-35B-A3B's (the widths that decide its numbers), not a smaller stand-in."""
-    from ..config import QWEN36_35B_A3B
-
-    fields = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-              "vocab_size")
-    return all(getattr(config, f) == getattr(QWEN36_35B_A3B, f) for f in fields)
