@@ -1,7 +1,7 @@
 """The cost model that explains the published runs, calibrated per machine and tested out of sample.
 
 `qmtp.book.throughput` prices a pass by its bytes over the memory's bandwidth alone. No published engine runs
-that fast: plain decoding reached 12% to 58% of that bound in the published runs, so most of a real pass is
+that fast: plain decoding reached a fraction of that bound in every published run, so most of a real pass is
 something else (launching kernels, synchronising, the sequential DeltaNet scan, sampling, weights read from
 system memory). Whether that extra time is paid once per pass or once per token decides whether drafting pays.
 This model keeps the bytes and names the rest:
@@ -28,6 +28,11 @@ counts the rows within 10%, 15% and 20%; `sweeps` says whether each published sw
 model's; `fitted_parameters` lists every fitted number and the rows it was fitted on; `verdict` is the sentence a
 page shows before any predicted number. `bottom_line` and `bottom_line_prose` turn it into advice per kind of
 hardware.
+
+What is fitted and what is not: bandwidths are the vendors' peaks, bytes come from the configs, each machine's
+overhead from its plain figure; `c` and the acceptance curve are the only numbers fitted on MTP runs, and always
+without the source being predicted. The model's form (bytes plus one overhead, one share per extra position)
+was chosen with every published row in view; only its numbers are out of sample.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Nothing here was measured by this book. Every row is a figure someone else published, typed as they gave it
 and labelled as published wherever it is shown; `checked` says whether the figure was read at its source
-when this module was written (a row not checked there is shown "as reported in" its source). The book sets
-each row beside the cost model of `qmtp.book.throughput` (`predict`), which prices a step by the bytes it
-reads at the row's memory bandwidth.
+when this module was written (a row not checked there is shown "as reported in" its source). Chapter 8 sets
+each row beside the bytes-only model of `qmtp.book.throughput` (`predict`), which prices a step by the bytes it
+reads at the row's memory bandwidth; `qmtp.book.cost_model` calibrates each machine by its plain figure and
+predicts every row of `FIELD` and `FAMILY` (the family's other members) out of sample. `RELATIVE` holds gains
+published without tokens/s, shown beside the model and never priced.
 
 **One draft-length convention.** `n_draft` counts the tokens one trunk pass verifies, the trunk's own
 included (1 = plain decoding, 2 = one draft of the head). Other engines count drafts only:
