@@ -402,7 +402,20 @@ Markdown(
     .replace("| src |", "| source |", 1)
 )
 
+# %% tags=["remove-cell"]
+glue(
+    "bl_sweeps",
+    "; ".join(
+        f"{s['run']} peaks at n_draft {s['published best']} of {s['widths']}, the model (out of sample) at "
+        f"{s['model best']}, and at {t['model best']} with no acceptance of the run itself"
+        for s, t in zip(cost_model.sweeps(), cost_model.sweeps(strict=True))
+    ),
+    display=False,
+)
+
 # %% [markdown]
+# The sweeps: {glue:text}`bl_sweeps`.
+#
 # Every number the model fits, and the published figures it was fitted on (the rows of a source are never among
 # the data that predicts them):
 
