@@ -199,7 +199,7 @@ FIELD = (
     Published("vllm_mlx_m2_ultra_8bit", "vllm-mlx", "Apple M2 Ultra", M2_ULTRA, "Qwen3.5-35B-A3B-8bit (MLX)", 8,
               None, None, 53.0, 71.5, 512, "vllmmlx170", "https://github.com/waybarrios/vllm-mlx/issues/170",
               False, ("batching",), "issue thread, as summarised in this project's reference notes (section 11): "
-              "53.0 -> 71.5 tok/s, 1.35x; draft length and acceptance not given"),
+              "53.0 -> 71.5 tok/s, 1.35x; draft length and acceptance not given", "vLLM"),
     Published("lemon_radeon_890m", "lemon-mlx-engine", "AMD Radeon 890M", STRIX_POINT,
               "Qwen3.6-35B-A3B (MLX conversion)", 4, None, None, 26.1, 27.3, 512, "lemonmlx",
               "https://github.com/lemonade-sdk/lemon-mlx-engine", False, (),
