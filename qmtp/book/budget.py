@@ -3,7 +3,7 @@ is predicted to take: the budget that lets the whole book run on the real weight
 
 On the bundled model (or any smaller one) nothing here changes what a chapter does: `active(config)` is false and
 every chapter runs as written. When `QMTP_MODEL` points at the full-size release (the bf16 weights, Qwen3.6-35B-A3B's
-widths: `claims.is_real_model`), the chapters that would hold or rewrite the whole model many times work on less:
+widths: `is_real_model`), the chapters that would hold or rewrite the whole model many times work on less:
 
 * chapter 2 loads each of its variants with only the first `LAYERS` trunk layers (`qmtp.load(path, layers=...)`,
   no head), and measures them on fewer texts and shorter continuations;
@@ -56,9 +56,14 @@ ENGINE = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4), "ablate": (1,
 
 def active(config: ModelConfig) -> bool:
     """Whether the budget applies: the model has the full-size release's widths."""
-    from .claims import is_real_model
-
     return is_real_model(config)
+
+
+def is_real_model(config) -> bool:
+    """Whether `config` is Qwen3.6-35B-A3B's (the widths that decide its numbers), not a smaller stand-in."""
+    fields = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "vocab_size")
+    return all(getattr(config, f) == getattr(QWEN36_35B_A3B, f) for f in fields)
 
 
 def first_layers(config: ModelConfig, layers: int = LAYERS) -> ModelConfig:

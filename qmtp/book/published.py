@@ -2,9 +2,11 @@
 
 Nothing here was measured by this book. Every row is a figure someone else published, typed as they gave it
 and labelled as published wherever it is shown; `checked` says whether the figure was read at its source
-when this module was written (a row not checked there is shown "as reported in" its source). The book sets
-each row beside the cost model of `qmtp.book.throughput` (`predict`), which prices a step by the bytes it
-reads at the row's memory bandwidth.
+when this module was written (a row not checked there is shown "as reported in" its source). Chapter 8 sets
+each row beside the bytes-only model of `qmtp.book.throughput` (`predict`), which prices a step by the bytes it
+reads at the row's memory bandwidth; `qmtp.book.cost_model` calibrates each machine by its plain figure and
+predicts every row of `FIELD` and `FAMILY` (the family's other members) out of sample. `RELATIVE` holds gains
+published without tokens/s, shown beside the model and never priced.
 
 **One draft-length convention.** `n_draft` counts the tokens one trunk pass verifies, the trunk's own
 included (1 = plain decoding, 2 = one draft of the head). Other engines count drafts only:
@@ -27,7 +29,7 @@ transfer rate (vendor specifications): `bus_bits / 8 * megatransfers per second`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import QWEN36_35B_A3B, ModelConfig
 from .throughput import GB, HEAD_BITS
@@ -83,6 +85,9 @@ STRIX_HALO = Memory("LPDDR5X-8000, 256-bit", 256, 8000)  # Ryzen AI Max+ 395 / R
 STRIX_POINT = Memory("LPDDR5X-7500, 128-bit", 128, 7500)  # Ryzen AI 300 / Radeon 890M
 RTX_3060_LAPTOP = Memory("GDDR6 14 Gbps, 192-bit", 192, 14000)
 A100_80GB = Memory("HBM2e, 5120-bit", 5120, 3186)
+M2_ULTRA = Memory("LPDDR5-6400, 1024-bit", 1024, 6400)  # Apple quotes 800 GB/s
+M4_PRO = Memory("LPDDR5X-8533, 256-bit", 256, 8533)  # Apple quotes 273 GB/s
+UNNAMED = Memory("not named by the source", 0, 0)  # bandwidth 0: nothing can price a run on it
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class Published:
     conditions: tuple[str, ...] = ()  # keys of `CONDITIONS` the source reports
     where: str = ""  # where in the source the figures are
     convention: str = ""  # whose draft-length convention engine_draft follows (`ENGINE_DRAFT_COUNTS`); "": engine's
+    member: str = "35B-A3B"  # the family member measured (`MEMBERS`); the cost model prices only members it has a config of
 
     @property
     def n_draft(self) -> int | None:
@@ -139,6 +145,11 @@ CONDITIONS = {
                        "bytes alone predict (`throughput.overhead_effect`)",
     "batching": "the engine drops MTP when it batches requests; the row is one request at a time",
     "assumed": "the source gives no draft length or no acceptance, so the prediction assumes them",
+    "other_member": "another member of the family: priced with that member's config where this book has one "
+                    "(third-party values, `MEMBERS`), not at all where it has none",
+    "dense": "a dense model: a verify pass reads the same weights as a plain one, so the union of experts that "
+             "decides the MoE's cost does not arise",
+    "no_hardware": "the source does not name the machine, so no bandwidth or memory prices the run",
     "unreported": "the source reports nothing the cost model leaves out; a verify pass that costs more than its "
                   "bytes (compute-bound, what chapter 6 measures at the real widths on the machine that builds "
                   "this book) would part them this way",
@@ -185,12 +196,70 @@ FIELD = (
               "https://huggingface.co/fraQtl/Qwen3.6-35B-A3B-Hi-Fi-MTP-runtime", True, (),
               "model card, measured numbers (50 prompts, 3 seeds, greedy); --spec-draft-n-max 4 with "
               "--spec-draft-n-min 1, so a step may propose fewer than 4 drafts"),
+    Published("vllm_mlx_m2_ultra_8bit", "vllm-mlx", "Apple M2 Ultra", M2_ULTRA, "Qwen3.5-35B-A3B-8bit (MLX)", 8,
+              None, None, 53.0, 71.5, 512, "vllmmlx170", "https://github.com/waybarrios/vllm-mlx/issues/170",
+              False, ("batching",), "issue thread, as summarised in this project's reference notes (section 11): "
+              "53.0 -> 71.5 tok/s, 1.35x; draft length and acceptance not given", "vLLM"),
     Published("lemon_radeon_890m", "lemon-mlx-engine", "AMD Radeon 890M", STRIX_POINT,
               "Qwen3.6-35B-A3B (MLX conversion)", 4, None, None, 26.1, 27.3, 512, "lemonmlx",
               "https://github.com/lemonade-sdk/lemon-mlx-engine", False, (),
               "the engine's reports (June 2026), which do not tie this run to a draft length or an acceptance; the "
               "trunk's width (4 bits) is assumed"),
 )
+
+# The family's other members in the published runs (section 11 of the project's reference notes). The 122B-A10B
+# is priced with its config (`MEMBERS`, third-party values agreed by several copies); the dense 27B rows are kept,
+# unpriced: no config of the 27B is readable here, and one of the two names no machine.
+FAMILY = (
+    Published("vllm_mlx_m3_ultra_122b", "vllm-mlx", "Apple M3 Ultra", M3_ULTRA, "Qwen3.5-122B-A10B-4bit (MLX)", 4,
+              1, None, 46.4, 52.0, 300, "vllmmlx245", "https://github.com/waybarrios/vllm-mlx/pull/245", False,
+              ("batching", "other_member"), "the same benchmark table as the 35B-A3B row, as summarised in this "
+              "project's reference notes (section 11); one draft, as for the 35B", "vLLM", "122B-A10B"),
+    Published("mlx_lm_990_m4_pro_27b", "mlx-lm (PR 990)", "Apple M4 Pro", M4_PRO, "Qwen3.5-27B-4bit (MLX)", 4, None,
+              0.806, 15.3, 23.3, 512, "mlxlm990", "https://github.com/ml-explore/mlx-lm/pull/990", False,
+              ("other_member", "dense"), "pull request description, as summarised in this project's reference "
+              "notes (section 11); the draft length is not given there", "", "27B (dense)"),
+    Published("mlx_vlm_1167_27b", "mlx-vlm", "machine not named", UNNAMED, "Qwen3.6-27B-4bit (MLX)", 4, 3, 0.82, 34.96, 60.67,
+              512, "mlxvlm", "https://github.com/Blaizzy/mlx-vlm/pull/1167", False,
+              ("other_member", "dense", "no_hardware"), "pull request 1167, as summarised in this project's "
+              "reference notes (section 11): block 3, 82.0% of drafts accepted; the machine is not named", "", "27B (dense)"),
+)
+
+
+@dataclass(frozen=True)
+class Relative:
+    """A published gain with no tokens/s to calibrate a machine by: shown beside the model, never priced."""
+
+    key: str
+    engine: str
+    hardware: str
+    gain: tuple[float, float]  # MTP over plain decoding, low and high, as the source gives them
+    source: str
+    url: str
+    where: str
+
+
+RELATIVE = (
+    Relative("ik_llama_cpu", "ik_llama.cpp", "CPU only", (1.65, 1.65), "ikllama1815",
+             "https://github.com/ikawrakow/ik_llama.cpp/pull/1815",
+             "pull request 1815, as summarised in this project's reference notes (section 11): +65% CPU-only"),
+    Relative("ik_llama_cuda", "ik_llama.cpp", "NVIDIA GPU (CUDA)", (1.10, 1.20), "ikllama1815",
+             "https://github.com/ikawrakow/ik_llama.cpp/pull/1815",
+             "the same pull request: +10-20% on CUDA"),
+)
+
+
+def member_config(member: str) -> ModelConfig | None:
+    """The config the cost model prices a family member with, or None where this book has none."""
+    return MEMBERS.get(member)
+
+
+# The 122B-A10B's shape (section 11: no primary config.json readable here; values agreed by several third-party
+# copies): the 35B's layout with a wider hidden size, 48 layers, wider experts and twice the linear value heads.
+QWEN35_122B_A10B = replace(QWEN36_35B_A3B, hidden_size=3072, num_hidden_layers=48, layer_types=[],
+                           moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_attention_heads=32,
+                           linear_num_value_heads=64)
+MEMBERS = {"35B-A3B": QWEN36_35B_A3B, "122B-A10B": QWEN35_122B_A10B}
 
 # ---- links between machines: the latency of one small all_sum (chapter 9's cost model) --------------------------
 @dataclass(frozen=True)
@@ -225,7 +294,7 @@ LINKS = (
 
 def sources() -> set[str]:
     """Every bib key a published figure here rests on."""
-    return {r.source for r in FIELD} | {k.source for k in LINKS}
+    return {r.source for r in FIELD + FAMILY} | {r.source for r in RELATIVE} | {k.source for k in LINKS}
 
 
 # ---- the cost model's view of a row -------------------------------------------------------------------------

@@ -48,10 +48,13 @@ and raises the speedup towards tau. Paid by every head draft as well, a step at 
 for tau < n_draft tokens, and it lowers the speedup towards tau / n_draft (`Machine.overhead`,
 `Machine.head_overhead`; `overhead_effect` computes both).
 
-**6. One prediction for a machine** (`machine_prediction`): every page that prices MTP on one machine (chapter
-6, the findings, chapter 8's published rows) calls it, with the same assumptions: the real config, its trunk at
+**6. One bytes-only prediction for a machine** (`machine_prediction`): every page that prices MTP on a machine
+whose pass costs its bytes (chapter 6, chapter 8's published rows, chapter 9) calls it, with the same
+assumptions: the real config, its trunk at
 `bits`, its head in bf16 (`HEAD_BITS`), purely memory-bound (no fixed cost), and the acceptance of `rates_for`
-(`ACCEPTANCE_RULE` says it in words). Chapter 9's N machines (point 5) take the same head and acceptance.
+(`ACCEPTANCE_RULE` says it in words). Chapter 9's N machines (point 5) take the same head and acceptance. No
+published engine runs this fast; `qmtp.book.cost_model` adds each machine's own overhead, calibrated by its
+plain figure, and is the model the findings' bottom line rests on.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from dataclasses import dataclass
 from ..adaptive import expected_tokens_per_pass
 from ..config import FULL, LINEAR, ModelConfig
 from ..sizes import SizeReport, sizes
-from .claims import CLAIMS
+from .claimed import CLAIMS
 
 GB = 1e9
 HEAD_BITS = None  # the head in bf16: as this book converts it (chapter 4) and as the published engines load it

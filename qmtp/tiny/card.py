@@ -21,7 +21,7 @@ from pathlib import Path
 from ..checkpoint import Checkpoint
 from ..config import ModelConfig
 from ..loading import load
-from ..book import evaluate
+from . import evaluate
 from . import corpus
 from .train import TOKENIZER_SAMPLE_BYTES
 
@@ -362,7 +362,7 @@ def chat_training_record(train_dir: Path) -> dict:
 
 
 def plot_loss_curve(curve: list[dict], path: Path) -> None:
-    from ..book.plots import loss_curve
+    from .figures import loss_curve
 
     figure = loss_curve(curve)
     figure.savefig(path, dpi=110, bbox_inches="tight")

@@ -379,7 +379,7 @@ def prepare_chat_data(out: Path, source: Path, seed: int, n_train: int, n_chat: 
 def load_start(source: Path, start: str) -> Model:
     """The model in `source`, in float32, with the head a head-only stage starts from: its own ("own"), or the
     one its folder keeps from before its last head-only stage ("previous", which reruns that stage exactly)."""
-    from ..book import evaluate
+    from . import evaluate
     from ..loading import load
 
     if start not in ("own", "previous"):
@@ -397,7 +397,7 @@ def train_head(out: Path, source: Path, steps: int, batch: int, length: int, lr:
                chain_decay: float, targets: str, balance_weight: float, save_every: int, eval_every: int,
                n_train: int, stop_after: int | None = None, start: str = "own", n_chat: int = 0) -> tuple[Model, bool]:
     """Train (or resume) the head of the model in `source` for chained drafting; the trunk stays as loaded."""
-    from ..book import evaluate
+    from . import evaluate
 
     if targets not in ("trunk", "text"):
         raise UsageError(f"--targets {targets}: use 'trunk' (the trunk's distributions) or 'text' (the text's tokens)")
@@ -456,7 +456,7 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
     import shutil
 
     from ..checkpoint import Checkpoint, write_safetensors
-    from ..book.evaluate import PREVIOUS_HEAD_FILE
+    from .evaluate import PREVIOUS_HEAD_FILE
     from .export import TOKENIZER_FILES, export_released
 
     export_released(model, dest)
