@@ -449,3 +449,16 @@ def machines_scaling(rows: list[dict], memory: str):
               title="solid: best n_draft, dashed: plain decoding", title_fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def norm_weight_histograms(weights: dict[str, list[float]]):
+    """Two histograms side by side: the zero-centred norms' weights as stored (w) and as applied (1 + w)."""
+    fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
+    for ax, key, title, xlabel, colour in (
+            (axes[0], "stored", "stored w", "stored value w (no unit)", TRUNK),
+            (axes[1], "effective", "effective 1 + w", "multiplier applied, 1 + w (no unit)", "#F58518")):
+        ax.hist(weights[key], bins=60, color=colour)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel("number of weights")
+    return fig
