@@ -104,3 +104,27 @@ def variant_table(rows: list[dict]) -> str:
     """`variant_rows` as a Markdown table."""
     return markdown_table(rows, list(rows[0]), {"trunk GB": "{:.1f}", "head GB (bf16)": "{:.2f}",
                                                 "total GB": "{:.1f}", "total GiB": "{:.1f}"})
+
+
+def tensor_listing(ckpt, prefix: str) -> list[dict]:
+    """Name, dtype and shape of every tensor of `ckpt` (a `qmtp.Checkpoint`) whose name starts with `prefix`."""
+    return [{"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))}
+            for n, i in sorted(ckpt.infos.items()) if n.startswith(prefix)]
+
+
+def listing_table(listing: list[dict]) -> str:
+    """`tensor_listing` as a Markdown table."""
+    return markdown_table(listing, ["tensor", "dtype", "shape"])
+
+
+def metadata_table(metadata: dict[str, str]) -> str:
+    """A converted file's metadata as a Markdown table: the per-tensor widths (`qmtp.quantization`) counted rather
+    than listed, the source digest shortened."""
+    import json
+
+    widths = json.loads(metadata["qmtp.quantization"])
+    shown = {k: v for k, v in metadata.items() if k != "qmtp.quantization"}
+    shown["qmtp.quantization"] = f"{len(widths)} entries, one per stored weight"
+    if "qmtp.source_digest" in shown:
+        shown["qmtp.source_digest"] = shown["qmtp.source_digest"][:16] + "…"
+    return markdown_table([{"key": k, "value": f"`{v}`"} for k, v in shown.items()], ["key", "value"])
