@@ -1,8 +1,9 @@
 """A shown code cell is one a reader would type: a call into qmtp, a computation the text explains.
 
-Plumbing (glueing values into the prose, saving results, formatting tables out of dicts, verdict sentences
-assembled from f-strings) lives in a cell tagged hide-input / remove-input / remove-cell, or in a qmtp.book
-function that returns what the page glues.
+Plumbing (glueing values into the prose, saving results, verdict sentences assembled from f-strings) lives in a
+cell tagged hide-input / remove-input / remove-cell, or in a qmtp.book function that returns what the page glues.
+Reshaping dicts into table cells moves into qmtp.book too (not checked here: a one-line render of rows the reader
+computed is fine to show).
 """
 
 import ast
@@ -43,7 +44,7 @@ def plumbing(source):
     """What in one shown cell's source is plumbing, each as a short reason."""
     calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
              for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)}
-    reasons = [f"calls {name}()" for name in ("glue", "save", "markdown_table") if name in calls]
+    reasons = [f"calls {name}()" for name in ("glue", "save") if name in calls]
     reasons += [f"builds a sentence: {text!r}" for text in sentence_fstrings(source)]
     return reasons
 
@@ -51,7 +52,6 @@ def plumbing(source):
 def test_the_check_sees_plumbing():
     assert plumbing('glue("x", 1, display=False)') == ["calls glue()"]
     assert plumbing('results.save("01", path, {})') == ["calls save()"]
-    assert plumbing("Markdown(inventory.markdown_table(rows, cols))") == ["calls markdown_table()"]
     assert plumbing('verdict = f"MTP pays {gain:.2f}x here on this machine"')
     assert plumbing('label = f"{x:.3f} s"') == []
     assert plumbing("rows = mistakes.outcome(load, texts, prompt)") == []
