@@ -68,23 +68,23 @@ class Stats:
 
     @property
     def trunk_passes(self) -> int:
-        """Decode or verify passes (a replay after a partial accept is not counted: it is rollback work)."""
+        """Decode or verify passes (a replay after a partial accept is not counted, being rollback work)."""
         return len(self.steps)
 
     @property
     def nonfinite_drafts(self) -> int:
-        """Proposed drafts the head chose from NaN or Inf logits (a damaged head): verification keeps the
+        """Proposed drafts the head chose from NaN or Inf logits (a damaged head). Verification keeps the
         output exact, but such a head drafts no better than chance, so `chat` reports them."""
         return sum(s.nonfinite_drafts for s in self.steps)
 
     @property
     def widths(self) -> list[int]:
-        """Each step's n_draft (with "auto", the width chosen): its tokens per pass."""
+        """Each step's n_draft (with "auto", the width chosen), which is its tokens per pass."""
         return self.tokens_per_pass
 
     @property
     def tokens_per_pass(self) -> list[int]:
-        """Tokens each pass ran through the trunk: the pending token and the drafts."""
+        """Tokens each pass ran through the trunk, the pending token and the drafts."""
         return [1 + len(s.drafts) for s in self.steps]
 
     @property
