@@ -33,7 +33,7 @@
 #
 # **What runs here.** One group is quantized by hand; the bundled model is quantized at every width, trunk and
 # head separately, and evaluated; the backend self-check runs, once healthy and once with a simulated fault.
-# The chapter's run time in this build is in the {doc}`execution table <../book/execution>`; the download
+# The chapter's run time in this build, and the machine it ran on, are in the {doc}`execution table <../book/execution>`; the download
 # button at the top of the page gives this notebook, to run it yourself.
 #
 # **At full size** ({doc}`the budget <real_checkpoint>`): {glue:md}`budget_note`

@@ -43,7 +43,7 @@
 #   samplers, thinking on and off, beside greedy.
 #
 # **What runs here.** The bundled model decodes held-out prompts plainly and with `n_draft` 2 to 5; every
-# rate is counted in this run. The chapter's run time in this build is in the
+# rate is counted in this run. The chapter's run time in this build, and the machine it ran on, are in the
 # {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
 #
