@@ -44,7 +44,6 @@
 
 # %% tags=["hide-input"]
 import os
-import textwrap
 
 import qmtp
 from IPython.display import Markdown, display
