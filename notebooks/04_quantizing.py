@@ -40,6 +40,7 @@
 # :::
 
 # %% tags=["hide-input"]
+import math
 import tempfile
 import textwrap
 import warnings
@@ -298,6 +299,10 @@ head_4_drop = head_acc["bf16"] - head_acc[4]
 glue("head_4_drop", head_4_drop, display=False)
 glue("head_cost_rule", HEAD_WIDTH_COST, display=False)
 glue("head_4_reading", "at least" if head_4_drop >= HEAD_WIDTH_COST else "less than", display=False)
+bf16_rate, bf16_drafts = head_acc["bf16"], head["bf16"].get("drafts_n_draft_2", 0)
+head_noise = 2 * math.sqrt(bf16_rate * (1 - bf16_rate) / bf16_drafts) if bf16_drafts else float("nan")
+glue("head_noise", head_noise, display=False)
+glue("head_noise_reading", "beyond" if head_4_drop > head_noise else "within", display=False)
 glue("head_vs_trunk", "less" if head_4_drop < trunk_acc[8] - trunk_acc[4] else "no less", display=False)
 glue(
     "trunk_4_ppl_rise",
@@ -315,7 +320,8 @@ glue(
 # {glue:text}`trunk_4_acc:.3f`), although its perplexity rises by only {glue:text}`trunk_4_ppl_rise:.1%`;
 # taking the head from bf16 to 4 bits costs {glue:text}`head_4_drop:.3f`, {glue:text}`head_4_reading` the
 # {glue:text}`head_cost_rule` of acceptance that {doc}`08_claims` counts as a cost (its rule for the claim "keep
-# the head in bf16"). So on this model a 4-bit head costs {glue:text}`head_vs_trunk` than a 4-bit trunk. A
+# the head in bf16") and {glue:text}`head_noise_reading` twice the sampling error of the bf16 head's rate
+# ({glue:text}`head_noise:.3f`, a rate over this many drafts). So on this model a 4-bit head costs {glue:text}`head_vs_trunk` than a 4-bit trunk. A
 # drafter is judged on whether it agrees with its verifier, and a 4-bit trunk changes both sides at once: the head
 # reads the quantized trunk's hidden state, which it was not trained on, and is checked against the quantized
 # trunk's choices, where a small shift in the logits flips a near-tie. A 4-bit head changes only the drafter.

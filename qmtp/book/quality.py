@@ -40,6 +40,7 @@ def measure_variant(src, texts: list[str], prompts: list[list[int]], max_tokens:
         "perplexity": metrics.perplexity,
         "head_accuracy": metrics.head_accuracy,
         "acceptance_n_draft_2": accepted["rate"],
+        "drafts_n_draft_2": sum(accepted["drafted"]),  # what the rate is counted over (its sampling error)
     }
 
 
