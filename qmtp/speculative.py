@@ -10,7 +10,7 @@ One step, with the trunk's cache holding x_0..x_t and the trunk's choice x_{t+1}
    rejection (Leviathan et al. 2023). Either way the output has exactly the trunk's distribution.
 4. roll back: every cache is cut back to the accepted tokens, as if only they had been decoded.
 
-`n_draft` follows the seed engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
+`n_draft` follows lemon-mlx-engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
 decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculative_tokens = n_draft - 1).
 `n_draft="auto"` lets `qmtp.adaptive.DraftPlanner` choose it step by step.
 """
@@ -341,7 +341,7 @@ def generate(
 
     Args:
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
-            the seed engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
+            lemon-mlx-engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
         temperature: 0 (the default) for greedy; otherwise rejection sampling keeps exactly the trunk's
             distribution, processed as below.
