@@ -8,7 +8,7 @@ VPY    := $(VENV)/bin/python
 VPIP   := $(VPY) -m pip
 STAMP  := $(VENV)/.installed
 # written by `make rocm-venv`: this venv uses the machine's own MLX build, so never install requirements.txt
-# (its `cpu` extra would put an mlx wheel in front of that build)
+# (its `cpu` extra, and the `peer` extra's mlx-vlm, would put an mlx wheel in front of that build)
 ROCM_MARK := $(VENV)/.rocm
 
 # the book root is the repository root (_config.yml and _toc.yml live here)

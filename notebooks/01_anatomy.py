@@ -56,21 +56,16 @@ print(inventory.describe(path))
 # the MTP {term}`head` is counted apart from the {term}`trunk`.
 
 # %%
-rows = inventory.by_category(path)
-for row in rows:
-    row["size"] = inventory.human_bytes(row["bytes"])
-    row["params"] = inventory.human_count(row["parameters"])
-Markdown(inventory.markdown_table(rows, ["part", "category", "tensors", "params",
-                                         "size"]))
+Markdown(inventory.category_table(inventory.by_category(path)))
 
 # %%
 config = qmtp.ModelConfig.from_file(path)
 counts = sizes.parameter_counts(config)
+Markdown(inventory.count_table(counts))
+
+# %% tags=["remove-cell"]
 glue("active_share", 100 * counts["active"] / counts["total"], display=False)
 glue("head_share", 100 * counts["head"] / counts["total"], display=False)
-count_rows = [{"parameters of": sizes.PARAMETER_COUNT_LABELS[k],
-               "count": inventory.human_count(v)} for k, v in counts.items()]
-Markdown(inventory.markdown_table(count_rows, ["parameters of", "count"]))
 
 # %% [markdown]
 # Of all parameters of the model this page reads (the bundled tiny model unless `QMTP_MODEL` names another),
@@ -86,6 +81,8 @@ Markdown(inventory.markdown_table(count_rows, ["parameters of", "count"]))
 
 # %% mystnb={"figure": {"caption": "The layer pattern of the model this chapter reads, from its config: {glue:text}`n_linear` gated-DeltaNet layers (blue) and {glue:text}`n_full` gated-attention layers (orange), three of the first before each one of the second; under every mixer a mixture of {glue:text}`n_experts` experts of which each token uses {glue:text}`top_k`; the MTP head (green) is one more full-attention layer after them.", "name": "fig-layer-pattern"}}
 fig = plots.layer_pattern(config)
+
+# %% tags=["remove-cell"]
 glue("n_linear", config.layer_types.count("linear_attention"), display=False)
 glue("n_full", config.layer_types.count("full_attention"), display=False)
 glue("n_experts", config.num_experts, display=False)
@@ -100,22 +97,16 @@ glue("top_k", config.num_experts_per_tok, display=False)
 
 # %%
 real = qmtp.QWEN36_35B_A3B
-real_counts = sizes.parameter_counts(real)
-claimed = CLAIMS["variant_sizes_gb"].value
-variant_rows = []
-for bits in (4, 6, 8):
-    report = sizes.sizes(real, bits=bits)
-    variant_rows.append({
-        "trunk bits": bits, "trunk GB": report.trunk_bytes / 1e9,
-        "head GB (bf16)": report.head_bytes / 1e9, "total GB": report.total_bytes / 1e9,
-        "total GiB": report.total_bytes / 2**30, "seed's card (GB)": claimed[bits]})
-Markdown(inventory.markdown_table(variant_rows, list(variant_rows[0]), {
-    "trunk GB": "{:.1f}", "head GB (bf16)": "{:.2f}", "total GB": "{:.1f}",
-    "total GiB": "{:.1f}"}))
+variants = {bits: sizes.sizes(real, bits=bits) for bits in (4, 6, 8)}
+variant_rows = inventory.variant_rows(variants, card_gb=CLAIMS["variant_sizes_gb"].value)
+Markdown(inventory.variant_table(variant_rows))
 
 # %%
-head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9
-              for w in (None, 8, 6, 4)}
+head_sizes = {w: sizes.sizes(real, bits=4, mtp_bits=w).head_bytes / 1e9 for w in (None, 8, 6, 4)}
+head_sizes
+
+# %% tags=["remove-cell"]
+real_counts = sizes.parameter_counts(real)
 glue("real_total", real_counts["total"] / 1e9, display=False)
 glue("real_active", real_counts["active"] / 1e9, display=False)
 glue("real_active_share", 100 * real_counts["active"] / real_counts["total"], display=False)
@@ -127,23 +118,23 @@ glue("claimed_head_gb", CLAIMS["head_size_gb"].value, display=False)
 for row in variant_rows:
     glue(f"total_gib_{row['trunk bits']}", row["total GiB"], display=False)
     glue(f"trunk_gb_{row['trunk bits']}", row["trunk GB"], display=False)
-    glue(f"card_{row['trunk bits']}", row["seed's card (GB)"], display=False)
+    glue(f"card_{row['trunk bits']}", row["lemon-mlx-engine's card (GB)"], display=False)
 
 # %% [markdown]
 # The real model has {glue:text}`real_total:.1f` B parameters, {glue:text}`real_active:.2f` B of them
 # ({glue:text}`real_active_share:.1f`%) active per token, and its head holds {glue:text}`real_head_share:.1f`%
 # of them.
-# The model card of lemon-mlx-engine, the engine this book started from (the {term}`seed`), gives
+# The model card of lemon-mlx-engine, the MLX engine this book started from, gives
 # {glue:text}`card_4`, {glue:text}`card_6` and {glue:text}`card_8` GB: those
 # are the whole file, trunk and bf16 head, counted in GiB: {glue:text}`total_gib_4:.1f`,
 # {glue:text}`total_gib_6:.1f` and {glue:text}`total_gib_8:.1f` GiB. Set beside the trunk alone in GB
 # ({glue:text}`trunk_gb_4:.1f`, {glue:text}`trunk_gb_6:.1f`, {glue:text}`trunk_gb_8:.1f`) they only seem to
 # agree, because leaving the head out and counting in GB instead of GiB nearly cancel. The head's own size does
-# not agree: kept in bf16, as this book recommends, it weighs {glue:text}`head_bf16_gb:.2f` GB, not the
-# {glue:text}`claimed_head_gb` GB the seed's card states; that figure matches a 4-bit head
+# not agree: kept in bf16, as lemon-mlx-engine's card recommends, it weighs {glue:text}`head_bf16_gb:.2f` GB, not
+# the {glue:text}`claimed_head_gb` GB that card states; that figure matches a 4-bit head
 # ({glue:text}`head_4_gb:.2f` GB), and an 8-bit head weighs {glue:text}`head_8_gb:.2f` GB.
 
-# %%
+# %% tags=["remove-cell"]
 saved = results.save("01_anatomy", path, {
     "trunk_gb": {row["trunk bits"]: row["trunk GB"] for row in variant_rows},
     "total_gib": {row["trunk bits"]: row["total GiB"] for row in variant_rows},
@@ -158,10 +149,13 @@ saved = results.save("01_anatomy", path, {
 # Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
-# 1. Size a head quantized to 4 bits next to the bf16 head: call `sizes.sizes(config, bits=4, mtp_bits=4)` and
-#    `sizes.sizes(config, bits=4)` on the real model's config used above and compare their head entries.
+# 1. Size the head of the model this page reads (the bundled tiny one unless `QMTP_MODEL` names another) at each
+#    width: call `sizes.sizes(config, bits=4, mtp_bits=w).head_bytes` for `w` in `(None, 8, 4)` (`config` is
+#    that model's, read above; `None` keeps the head in bf16) and compare the ratios with the real model's.
 #
-#    *Where the answer shows:* the head sizes in *The real model, from its config alone*; {doc}`04_quantizing`
+#    *Where the answer shows:* divide each by the bf16 size, and do the same with `head_sizes` above for the real
+#    model: the tiny head shrinks less than the real one, and the head's rows of the table in *What is stored, by
+#    part and by kind* show which kinds of tensor its bytes sit in; {doc}`04_quantizing`
 #    measures what the 4-bit head costs in acceptance.
 #
 # 2. Convert the tiny model (`python -m qmtp convert qmtp/assets/tiny /tmp/tiny4 --bits 4`) and run this

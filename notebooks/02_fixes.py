@@ -37,21 +37,19 @@
 # in the {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
 #
-# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size** ({doc}`the budget <real_checkpoint>`): {glue:md}`budget_note`
 # :::
 
 # %% tags=["hide-input"]
 import statistics
-import textwrap
 import warnings
 
 # qmtp first: it chooses the BLAS that MLX loads when first imported (qmtp.blas)
 import qmtp
-import matplotlib.pyplot as plt
 import mlx.core as mx
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp.book import budget, evaluate, inventory, mistakes, results
+from qmtp.book import budget, evaluate, inventory, mistakes, plots, results
 
 # the loader warns about every fix left out: the point here
 warnings.simplefilter("ignore", UserWarning)
@@ -68,7 +66,7 @@ texts = (
 measure = {}
 if FULL:
     measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
-glue("budget_note", Markdown(budget.statement("02_fixes", config)), display=False)
+glue("budget_note", Markdown(budget.plan("02_fixes")), display=False)
 prompt = "Once upon a time, a little fox named"
 
 # %% [markdown]
@@ -119,45 +117,17 @@ variants = {
     "norm fix only": ("norm",),
     "both fixes": ("norm", "conv"),
 }
-rows = []
+runs = {}
 for label, fixes in variants.items():
-    result = mistakes.outcome(
-        lambda f=fixes: qmtp.load(path, fixes=f, **load_options),
-        texts,
-        prompt,
-        **measure,
-    )
-    rows.append({"load": label, **result})
+    load = lambda f=fixes: qmtp.load(path, fixes=f, **load_options)
+    runs[label] = mistakes.outcome(load, texts, prompt, **measure)
+Markdown(mistakes.outcome_table(runs, "load"))
 
-
-def show(row):
-    if not row["runs"]:
-        return {
-            "accuracy": "-",
-            "perplexity": "-",
-            "what happens": "MLX refuses: "
-            + textwrap.shorten(row["error"], 90, placeholder=" …"),
-        }
-    return {
-        "accuracy": f"{row['accuracy']:.3f}",
-        "perplexity": f"{row['perplexity']:.1f}",
-        "what happens": textwrap.shorten(row["continuation"], 90, placeholder=" …"),
-    }
-
-
-Markdown(
-    inventory.markdown_table(
-        [{"load": r["load"], **show(r)} for r in rows],
-        ["load", "accuracy", "perplexity", "what happens"],
-    )
-)
-
-# %%
-by_label = {r["load"]: r for r in rows}
-glue("acc_both", by_label["both fixes"]["accuracy"], display=False)
-glue("acc_no_norm", by_label["conv fix only"]["accuracy"], display=False)
-glue("ppl_both", by_label["both fixes"]["perplexity"], display=False)
-glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
+# %% tags=["remove-cell"]
+glue("acc_both", runs["both fixes"]["accuracy"], display=False)
+glue("acc_no_norm", runs["conv fix only"]["accuracy"], display=False)
+glue("ppl_both", runs["both fixes"]["perplexity"], display=False)
+glue("ppl_no_norm", runs["conv fix only"]["perplexity"], display=False)
 
 # %% [markdown]
 # Without the norm fix the model still runs, and that is the dangerous case: next-token accuracy falls
@@ -174,15 +144,12 @@ glue("ppl_no_norm", by_label["conv fix only"]["perplexity"], display=False)
 # read from the model's own modules, with the fix's test (`fixes.is_zero_centred_norm`) for each:
 
 # %%
-kinds = mistakes.norm_kinds(qmtp.ModelConfig.from_file(path))
+kinds = mistakes.norm_kinds(config)
+Markdown(mistakes.norm_kinds_table(kinds))
+
+# %% tags=["remove-cell"]
 unshifted = [k["norm weight"] for k in kinds if not k["shifted"]]
 glue("unshifted_norms", ", ".join(unshifted) or "none", display=False)
-shown = [
-    {**k, "norm weight": f"`{k['norm weight']}`",
-     "shifted": "1 + w" if k["shifted"] else "no: w as stored"}
-    for k in kinds
-]
-Markdown(inventory.markdown_table(shown, ["norm weight", "count", "shifted"]))
 
 # %% [markdown]
 # The norms not shifted: {glue:text}`unshifted_norms`. The stored weights of the others sit around zero;
@@ -192,21 +159,15 @@ Markdown(inventory.markdown_table(shown, ["norm weight", "count", "shifted"]))
 
 # %% mystnb={"figure": {"caption": "The {glue:text}`n_norm_weights` weights of the zero-centred norms of this model: as stored (left) their median is {glue:text}`norm_stored_median:.3f`, {glue:text}`norm_small_share:.0%` of them lie within 0.5 of zero and {glue:text}`norm_negative_share:.0%` are negative; as the model applies them, 1 + w (right), their median is {glue:text}`norm_effective_median:.3f`. Used as stored, a norm would multiply each activation by its w: it would shrink most of them and flip the sign of every one whose w is negative.", "name": "fig-norm-weights"}}
 weights = mistakes.norm_weights(path, **load_options)
-fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
-axes[0].hist(weights["stored"], bins=60, color="#4C78A8")
-axes[0].set_title("stored w")
-axes[0].set_xlabel("stored value w (no unit)")
-axes[1].hist(weights["effective"], bins=60, color="#F58518")
-axes[1].set_title("effective 1 + w")
-axes[1].set_xlabel("multiplier applied, 1 + w (no unit)")
-axes[0].set_ylabel("number of weights")
-glue("n_norm_weights", len(weights["stored"]), display=False)
-glue("norm_stored_median", statistics.median(weights["stored"]), display=False)
+fig = plots.norm_weight_histograms(weights)
+
+# %% tags=["remove-cell"]
+stored = weights["stored"]
+glue("n_norm_weights", len(stored), display=False)
+glue("norm_stored_median", statistics.median(stored), display=False)
 glue("norm_effective_median", statistics.median(weights["effective"]), display=False)
-glue("norm_small_share", sum(abs(w) < 0.5 for w in weights["stored"]) / len(weights["stored"]),
-     display=False)
-glue("norm_negative_share", sum(w < 0 for w in weights["stored"]) / len(weights["stored"]),
-     display=False)
+glue("norm_small_share", sum(abs(w) < 0.5 for w in stored) / len(stored), display=False)
+glue("norm_negative_share", sum(w < 0 for w in stored) / len(stored), display=False)
 
 # %% [markdown]
 # ## The +1 applied twice
@@ -224,53 +185,34 @@ glue("norm_negative_share", sum(w < 0 for w in weights["stored"]) / len(weights[
 
 # %%
 one, above_one = mx.array(1.0, mx.bfloat16), mx.array(1.0 + 2**-7, mx.bfloat16)
-glue("bf16_step_at_one", float(above_one - one), display=False)
+bf16_step_at_one = float(above_one - one)
+
+# %%
 shifts = {}
 for label, delta in mistakes.NORM_SHIFTS.items():
     if delta == -1.0:  # the load without the norm fix, measured above
-        shifts[label] = by_label["conv fix only"]
+        shifts[label] = runs["conv fix only"]
     else:
         shifted = lambda s=label: mistakes.with_norm_shift(path, s, **load_options)
         shifts[label] = mistakes.outcome(shifted, texts, prompt, **measure)
-shift_rows = [
-    {
-        "norm weights": label,
-        **show(result),
-        "top choice": f"{result['top_probability']:.3f}",
-        "loss where wrong": f"{result['loss_when_wrong']:.2f}",
-    }
-    for label, result in shifts.items()
-]
-Markdown(
-    inventory.markdown_table(
-        shift_rows,
-        [
-            "norm weights",
-            "accuracy",
-            "perplexity",
-            "top choice",
-            "loss where wrong",
-            "what happens",
-        ],
-    )
-)
+Markdown(mistakes.outcome_table(shifts, "norm weights", confidence=True))
 
-# %%
+# %% tags=["remove-cell"]
+glue("bf16_step_at_one", bf16_step_at_one, display=False)
 unshifted_run = shifts["not shifted (w)"]
 twice = shifts["shifted twice (2 + w), a re-conversion"]
+once = shifts["shifted once (1 + w), correct"]
 glue("w_top", unshifted_run["top_probability"], display=False)
 glue("w_wrong_loss", unshifted_run["loss_when_wrong"], display=False)
 glue("w_acc", unshifted_run["accuracy"], display=False)
+glue("w_ppl", unshifted_run["perplexity"], display=False)
 glue("twice_top", twice["top_probability"], display=False)
 glue("twice_wrong_loss", twice["loss_when_wrong"], display=False)
 glue("twice_acc", twice["accuracy"], display=False)
-once = shifts["shifted once (1 + w), correct"]
-glue("once_top", once["top_probability"], display=False)
 glue("twice_ppl", twice["perplexity"], display=False)
-glue("w_ppl", unshifted_run["perplexity"], display=False)
-vocab = qmtp.ModelConfig.from_file(path).vocab_size
-glue("vocab", vocab, display=False)
-glue("uniform", 1 / vocab, display=False)
+glue("once_top", once["top_probability"], display=False)
+glue("vocab", config.vocab_size, display=False)
+glue("uniform", 1 / config.vocab_size, display=False)
 
 # %% [markdown]
 # Shifted twice, the model is right more often than left as stored ({glue:text}`twice_acc:.3f` against
@@ -294,47 +236,26 @@ glue("uniform", 1 / vocab, display=False)
 # writes nonsense.
 
 # %%
-conv_rows, conv_runs = [], {}
+conv_runs = {}
 for label in mistakes.CONV_MISTAKES:
-    result = mistakes.outcome(
-        lambda m=label: mistakes.with_conv_mistake(path, m, **load_options),
-        texts,
-        prompt,
-        **measure,
-    )
-    conv_runs[label] = result
-    conv_rows.append(
-        {
-            "conversion": label,
-            **show(result),
-            "loud": "loud" if not result["runs"] else "silent or fine",
-        }
-    )
-Markdown(
-    inventory.markdown_table(
-        conv_rows, ["conversion", "accuracy", "perplexity", "what happens"]
-    )
-)
+    load = lambda m=label: mistakes.with_conv_mistake(path, m, **load_options)
+    conv_runs[label] = mistakes.outcome(load, texts, prompt, **measure)
+Markdown(mistakes.outcome_table(conv_runs, "conversion"))
 
 # %% [markdown]
 # The reshape gives exactly the correct kernel, because the axis it moves has length one; the two
 # layouts that MLX cannot use are refused; reversing the taps, or reading channels and taps in the wrong
 # order, runs without complaint and degrades the text: those are the mistakes to test for.
 
-# %%
+# %% tags=["remove-cell"]
 saved = results.save(
     "02_fixes",
     path,
     {
-        "accuracy": {r["load"]: r["accuracy"] if r["runs"] else None for r in rows},
-        "perplexity": {r["load"]: r["perplexity"] if r["runs"] else None for r in rows},
-        "double_shift_accuracy": shifts["shifted twice (2 + w), a re-conversion"][
-            "accuracy"
-        ],
-        "conv_mistake_accuracy": {
-            label: r["accuracy"] if r["runs"] else None
-            for label, r in conv_runs.items()
-        },
+        "accuracy": {k: r["accuracy"] if r["runs"] else None for k, r in runs.items()},
+        "perplexity": {k: r["perplexity"] if r["runs"] else None for k, r in runs.items()},
+        "double_shift_accuracy": twice["accuracy"],
+        "conv_mistake_accuracy": {k: r["accuracy"] if r["runs"] else None for k, r in conv_runs.items()},
         "layers": budget.LAYERS if FULL else config.num_hidden_layers,
     },
 )

@@ -36,14 +36,16 @@
 # this build is in the {doc}`execution table <../book/execution>`; the download button at the top of the page
 # gives this notebook, to run it yourself.
 #
-# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size** ({doc}`the budget <real_checkpoint>`): {glue:md}`budget_note`
 # :::
 
 # %% tags=["hide-input"]
 import inspect
 import json
+import shutil
 import tempfile
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -62,16 +64,39 @@ workdir = Path(tempfile.mkdtemp(prefix="qmtp-chapter3-"))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
 load_options = dict(layers=budget.LAYERS) if FULL else {}
-glue("budget_note", Markdown(budget.statement("03_converting", config)), display=False)
+glue("budget_note", Markdown(budget.plan("03_converting")), display=False)
 
 # %%
+started = time.perf_counter()
 if FULL:  # one conversion, kept for chapters 4 to 6 (made here, or found again)
     target = budget.decoding_model(path)
-    result = f"the {budget.BITS}-bit conversion in {target}"
 else:
     target = workdir / "q8"
-    result = convert(path, target, bits=8, progress=False)
-print(result)
+    convert(path, target, bits=8, progress=False)
+convert_seconds = time.perf_counter() - started
+
+# %% [markdown]
+# How long that took, beside a plain copy of the same files:
+
+# %%
+started = time.perf_counter()
+shutil.copytree(path, workdir / "copy")
+copy_seconds = time.perf_counter() - started
+source_mb = qmtp.Checkpoint(path).nbytes / 1e6
+{"source MB": source_mb, "convert s": convert_seconds, "copy s": copy_seconds}
+
+# %% tags=["remove-cell"]
+glue("source_mb", source_mb, display=False)
+glue("convert_s", convert_seconds, display=False)
+glue("convert_mb_s", source_mb / convert_seconds, display=False)
+glue("copy_s", copy_seconds, display=False)
+
+# %% [markdown]
+# The conversion read {glue:text}`source_mb:.1f` MB of source in {glue:text}`convert_s:.2f` s
+# ({glue:text}`convert_mb_s:.0f` MB/s), where copying the same files took {glue:text}`copy_s:.3f` s. At this size
+# the time is mostly fixed costs (starting the streams and the writer, reading the tokenizer, writing the
+# metadata), so it says nothing of a full-size conversion: how fast `convert` streams tens of gigabytes is what
+# `python -m qmtp bench convert` measures (*How a conversion streams*, below).
 
 # %% [markdown]
 # ## What moves where
@@ -83,47 +108,30 @@ print(result)
 
 # %%
 source, converted = qmtp.Checkpoint(path), qmtp.Checkpoint(target)
+released = inventory.tensor_listing(source, "model.language_model.layers.0.mlp.experts")
+trunk_experts = inventory.tensor_listing(converted, "language_model.model.layers.0.mlp.switch_mlp")
+head_experts = inventory.tensor_listing(converted, "mtp.layers.0.mlp.switch_mlp")
+Markdown(
+    "**Layer 0's experts, as released**\n\n" + inventory.listing_table(released)
+    + "\n\n**Layer 0's experts, converted**\n\n" + inventory.listing_table(trunk_experts)
+    + "\n\n**The head's experts, converted (bf16)**\n\n" + inventory.listing_table(head_experts)
+)
 
-
-def listing(ckpt, prefix):
-    return [
-        {"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))}
-        for n, i in sorted(ckpt.infos.items())
-        if n.startswith(prefix)
-    ]
-
-
-columns = ["tensor", "dtype", "shape"]
-tiny_config = qmtp.ModelConfig.from_file(path)
+# %% tags=["remove-cell"]
 # the group size the conversion above used: convert's default
 group_size = inspect.signature(convert).parameters["group_size"].default
 real_inter = qmtp.QWEN36_35B_A3B.moe_intermediate_size
+down_quantized = config.moe_intermediate_size % group_size == 0
 glue("group_size", group_size, display=False)
-glue("tiny_moe_inter", tiny_config.moe_intermediate_size, display=False)
+glue("tiny_moe_inter", config.moe_intermediate_size, display=False)
 glue("real_moe_inter", real_inter, display=False)
 glue("real_down_groups", real_inter // group_size, display=False)
-down_quantized = tiny_config.moe_intermediate_size % group_size == 0
 glue("down_proj_quantized", "is" if down_quantized else "is not", display=False)
 glue(
     "down_proj_outcome",
-    (
-        "is quantized like gate_proj and up_proj"
-        if down_quantized
-        else "is still bf16, while gate_proj and up_proj, whose input is the hidden "
-        "state, are quantized"
-    ),
+    "is quantized like gate_proj and up_proj" if down_quantized
+    else "is still bf16, while gate_proj and up_proj, whose input is the hidden state, are quantized",
     display=False,
-)
-released = listing(source, "model.language_model.layers.0.mlp.experts")
-trunk_experts = listing(converted, "language_model.model.layers.0.mlp.switch_mlp")
-head_experts = listing(converted, "mtp.layers.0.mlp.switch_mlp")
-Markdown(
-    "**Layer 0's experts, as released**\n\n"
-    + inventory.markdown_table(released, columns)
-    + "\n\n**Layer 0's experts, converted**\n\n"
-    + inventory.markdown_table(trunk_experts, columns)
-    + "\n\n**The head's experts, converted (bf16)**\n\n"
-    + inventory.markdown_table(head_experts, columns)
 )
 
 # %% [markdown]
@@ -142,26 +150,14 @@ Markdown(
 
 # %%
 meta = converted.metadata
+Markdown(inventory.metadata_table(meta))
+
+# %% [markdown]
+# Two of the per-tensor entries of `qmtp.quantization`, one quantized and one kept as it was:
+
+# %%
 widths = json.loads(meta["qmtp.quantization"])
-summary = {k: v for k, v in meta.items() if k != "qmtp.quantization"}
-examples = dict(
-    [
-        next((k, v) for k, v in widths.items() if v["bits"]),
-        next((k, v) for k, v in widths.items() if not v["bits"]),
-    ]
-)
-summary["qmtp.quantization"] = (
-    f"{len(widths)} entries, one per stored weight (two below)"
-)
-summary["qmtp.source_digest"] = summary["qmtp.source_digest"][:16] + "…"
-Markdown(
-    inventory.markdown_table(
-        [{"key": k, "value": f"`{v}`"} for k, v in summary.items()], ["key", "value"]
-    )
-    + "\n\n```json\n"
-    + json.dumps(examples, indent=1)
-    + "\n```"
-)
+dict([next((k, v) for k, v in widths.items() if v["bits"]), next((k, v) for k, v in widths.items() if not v["bits"])])
 
 # %%
 try:
@@ -183,28 +179,22 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     original = qmtp.load(path, **load_options)
     roundtrip = qmtp.load(target, **load_options)
-texts = evaluate.heldout_texts(3)
-if FULL:
-    texts = evaluate.heldout_texts(1)[: budget.FIXES_TEXTS]
+texts = evaluate.heldout_texts(1)[: budget.FIXES_TEXTS] if FULL else evaluate.heldout_texts(3)
 close = evaluate.logit_agreement(roundtrip, original, texts)
-converted_params, source_params = dict(tree_flatten(roundtrip.parameters())), dict(
-    tree_flatten(original.parameters())
-)
+converted_params = dict(tree_flatten(roundtrip.parameters()))
+source_params = dict(tree_flatten(original.parameters()))
 quantized = {n.rsplit(".", 1)[0] for n in converted_params if n.endswith(".scales")}
 unquantized = [n for n in converted_params if n.rsplit(".", 1)[0] not in quantized]
-unquantized_equal = all(
-    mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized
-)
+unquantized_equal = all(mx.array_equal(converted_params[n], source_params[n]).item() for n in unquantized)
 head_complete = roundtrip.mtp is not None and roundtrip.mtp.has_routed_experts
+assert unquantized_equal and head_complete
+{"unquantized tensors": len(unquantized), "all equal to the source's": unquantized_equal,
+ "head complete": head_complete, **close}
+
+# %% tags=["remove-cell"]
 glue("check_bits", budget.BITS if FULL else 8, display=False)
 glue("q8_top1", close["top1_agreement"], display=False)
 glue("q8_relerr", close["max_relative_error"], display=False)
-print(
-    f"{len(unquantized)} unquantized tensors, all identical to the source's: "
-    f"{unquantized_equal}; head complete: {head_complete}"
-)
-print("against the source:", ", ".join(f"{k} {v:.4g}" for k, v in close.items()))
-assert unquantized_equal and head_complete
 
 # %% [markdown]
 # The {glue:text}`check_bits`-bit model picks the same next token as the bf16 source on {glue:text}`q8_top1:.3f` of the
@@ -218,38 +208,27 @@ assert unquantized_equal and head_complete
 # %%
 from mlx_lm.utils import load_model
 
-if FULL:  # a second whole model in memory: left out at full size (qmtp.book.budget)
-    glue("mlxlm_mtp_tensors", float("nan"), display=False)
-    glue("mlxlm_relerr", float("nan"), display=False)
-    print("mlx-lm is not loaded at full size")
-else:
+if not FULL:  # a second whole model in memory: left out at full size (qmtp.book.budget)
     reference, _ = load_model(target)
-    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads
-    # them that way, so mlx-lm must too
-    reference.update(
-        tree_map(
-            lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p,
-            reference.parameters(),
-        )
-    )
+    # MLX's CPU backend multiplies unquantized experts in float32 only; qmtp loads them that way, so mlx-lm must too
+    as_float32 = lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p
+    reference.update(tree_map(as_float32, reference.parameters()))
     names = [n for n, _ in tree_flatten(reference.parameters())]
+    mtp_names = [n for n in names if n.startswith("mtp") or ".mtp." in n]
     same = evaluate.logit_agreement(roundtrip, reference, texts)
-    glue(
-        "mlxlm_mtp_tensors",
-        sum(n.startswith("mtp") or ".mtp." in n for n in names),
-        display=False,
-    )
-    glue("mlxlm_relerr", same["max_relative_error"], display=False)
-    n_mtp = sum("mtp" in n for n in names)
-    print(f"mlx-lm parameters: {len(names)}, of which MTP: {n_mtp}")
-    print("against qmtp:", ", ".join(f"{k} {v:.4g}" for k, v in same.items()))
+    print("mlx-lm parameters:", len(names), "MTP:", len(mtp_names))
+    print(same)
+
+# %% tags=["remove-cell"]
+glue("mlxlm_mtp_tensors", float("nan") if FULL else len(mtp_names), display=False)
+glue("mlxlm_relerr", float("nan") if FULL else same["max_relative_error"], display=False)
 
 # %% [markdown]
 # mlx-lm holds {glue:text}`mlxlm_mtp_tensors` MTP tensors after loading, and its trunk logits differ from
 # qmtp's on the same file by at most {glue:text}`mlxlm_relerr:.1e` relative: the same trunk, without the
 # head that drafts.
 
-# %%
+# %% tags=["remove-cell"]
 saved = results.save(
     "03_converting",
     path,
@@ -258,33 +237,33 @@ saved = results.save(
         "top1_agreement": close["top1_agreement"],
         "max_relative_error": close["max_relative_error"],
         "unquantized_equal": bool(unquantized_equal),
-        "mlx_lm_mtp_tensors": None if FULL else sum("mtp" in n for n in names),
+        "mlx_lm_mtp_tensors": None if FULL else len(mtp_names),
     },
 )
 
 # %% [markdown]
-# ## How this converter differs from the seed's
+# ## How this converter differs from lemon-mlx-engine's
 #
 # The converter of the engine this book started from (lemon-mlx-engine's `convert`) writes the same kind of
 # file: one `model.safetensors` with `format: mlx`, head keys under `mtp.`, the head's experts stacked as
 # `switch_mlp`, a `quantization` block in `config.json`, the router at 8 bits, the norms shifted in float32,
 # the tokenizer files copied. Where the two differ, qmtp follows mlx-lm or what this book measures:
 #
-# - **the head's width**: the seed's converter quantizes the head at `--bits` unless it is given `--mtp-bits 0`
-#   (its `examples/convert.cpp`: `mtp_bits` defaults to `bits`), although the seed's model card recommends a
+# - **the head's width**: lemon-mlx-engine's converter quantizes the head at `--bits` unless it is given `--mtp-bits 0`
+#   (its `examples/convert.cpp`: `mtp_bits` defaults to `bits`), although lemon-mlx-engine's model card recommends a
 #   bf16 head; qmtp keeps the head in bf16 unless asked otherwise (`mtp_bits=None`; chapter 4 measures what
 #   quantizing it costs), and with `mtp_bits` set quantizes the head's router gates at the router width, as
 #   in the trunk;
-# - **`lm_head`**: the seed defaults to 8 bits, qmtp to `bits`, as mlx-lm does (`lm_head_bits=8` gives the
-#   seed's);
-# - **`shared_expert_gate`**: the seed's router rule matches only `mlp.gate`, so it quantizes this `[1, H]` gate
+# - **`lm_head`**: lemon-mlx-engine defaults to 8 bits, qmtp to `bits`, as mlx-lm does (`lm_head_bits=8` gives
+#   lemon-mlx-engine's);
+# - **`shared_expert_gate`**: lemon-mlx-engine's router rule matches only `mlp.gate`, so it quantizes this `[1, H]` gate
 #   at `--bits`; qmtp, like mlx-lm, keeps it at the router width;
-# - **the `quantization` block**: the seed writes only the default `{group_size, bits}`, with which its own
+# - **the `quantization` block**: lemon-mlx-engine writes only the default `{group_size, bits}`, with which its own
 #   loader reads an 8-bit router as 4-bit and refuses the file; qmtp writes an entry for every module stored
 #   at another width, as mlx-lm does;
-# - **the fixes**: the seed shifts the norms unconditionally, so converting a converted model shifts them twice
+# - **the fixes**: lemon-mlx-engine shifts the norms unconditionally, so converting a converted model shifts them twice
 #   (chapter 2 shows what that does); qmtp records the fixes in the file and refuses a converted source;
-# - **memory**: the seed loads the whole model before writing; qmtp holds a few blocks of rows at a time, writes
+# - **memory**: lemon-mlx-engine loads the whole model before writing; qmtp holds a few blocks of rows at a time, writes
 #   into a temporary folder and renames it into place only when everything is written.
 
 # %% [markdown]

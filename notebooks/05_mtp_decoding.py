@@ -43,11 +43,11 @@
 #   samplers, thinking on and off, beside greedy.
 #
 # **What runs here.** The bundled model decodes held-out prompts plainly and with `n_draft` 2 to 5; every
-# rate is counted in this run. The chapter's run time in this build is in the
+# rate is counted in this run. The chapter's run time in this build, and the machine it ran on, are in the
 # {doc}`execution table <../book/execution>`; the download button at the top of the page gives this
 # notebook, to run it yourself.
 #
-# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size** ({doc}`the budget <real_checkpoint>`): {glue:md}`budget_note`
 # :::
 
 # %% tags=["hide-input"]
@@ -64,12 +64,9 @@ from qmtp.book import widgets
 
 path = inventory.model_path()
 print(inventory.describe(path))
-print(textwrap.fill("Timed on: " + machine.line(), 72))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
-glue(
-    "budget_note", Markdown(budget.statement("05_mtp_decoding", config)), display=False
-)
+glue("budget_note", Markdown(budget.plan("05_mtp_decoding")), display=False)
 model = qmtp.load(budget.decoding_model(path))
 texts = evaluate.heldout_by_register(2)
 ONLY = budget.DECODE["prompts"] if FULL else None  # prompts used: all, or the budget's
@@ -80,14 +77,10 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # %% [markdown]
 # ## One step, in the code
 #
-# The step is a function of arrays: the caches, the offset, the trunk states of the last pass and the number
-# of its positions kept are inputs, the same things after the step are outputs. It is compiled once per draft
-# length and replayed; the host reads only the report, once per trunk pass.
-#
-# ```{literalinclude} ../qmtp/decoding.py
-# :pyobject: step
-# :language: python
-# ```
+# A step is a function of arrays: the caches, the offset, the trunk states of the last pass and the number of its
+# positions kept are inputs, the same things after the step are outputs. It is compiled once per draft length and
+# replayed; the host reads only the step's report (the tokens and how many were kept), once per trunk pass. It
+# calls four functions, one per named step.
 #
 # **Draft.** The head first reads the positions the last pass kept (each trunk state with the token after
 # it); from its state at the last one it drafts, then feeds itself its own output and its own draft:
@@ -97,9 +90,17 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # :language: python
 # ```
 #
-# **Verify and accept.** One trunk pass scores the pending token and every draft; under greedy decoding a
-# draft is kept while it equals the trunk's own choice, and the trunk's choice after the last kept token is
-# the next pending token. The count is computed on the device, so nothing waits for the host:
+# **Verify.** One trunk pass scores the pending token and every draft, recording each linear-attention layer's
+# state after every position (for the roll back):
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: verify
+# :language: python
+# ```
+#
+# **Accept.** Under greedy decoding a draft is kept while it equals the trunk's own choice, and the trunk's choice
+# after the last kept token is the next pending token. The count is computed on the device, so nothing waits for
+# the host:
 #
 # ```{literalinclude} ../qmtp/decoding.py
 # :pyobject: Greedy.accept
@@ -108,17 +109,41 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # ```
 #
 # Sampling replaces this by rejection sampling (`Rejection.accept`), whose tokens have the distribution of
-# sampling the trunk alone.
+# sampling the trunk alone (*Acceptance under sampling*, below).
 #
 # **Roll back.** Attention needs nothing: the offset advances by the kept tokens, and the entries past it
 # are masked and later overwritten. A linear-attention layer has one state, not one entry per position, so
-# the verify pass records its state after every position and the step keeps the one after the last kept
-# token:
+# the step keeps the state the verify pass recorded after the last kept token:
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: roll_back
+# :language: python
+# ```
 #
 # ```{literalinclude} ../qmtp/decoding.py
 # :pyobject: keep_prefix
 # :language: python
 # ```
+#
+# **The step.** `step` calls the four in that order (`draft`, `verify`, `strategy.accept`, `roll_back`), and
+# builds the next step's inputs and the report:
+#
+# ```{literalinclude} ../qmtp/decoding.py
+# :pyobject: step
+# :language: python
+# ```
+#
+# Two things in it serve cases met later, and do nothing in plain greedy decoding:
+#
+# - **penalty counts** (`history`, `counts`): the model card's chat samplers add a presence penalty, which lowers
+#   the score of every token already generated. Each draft and each verified position must then be scored with
+#   the counts of the tokens before it (the pending token and the drafts before it included), so the step carries
+#   the counts in its state and keeps those of the kept prefix, as it keeps the caches (*Acceptance under the chat
+#   template*, below);
+# - **finite flags** (`finite`, and the `finite` list of `draft`): the number of leading verified positions whose
+#   logits are all finite, and for each draft whether the head's logits were. A kept token chosen from NaN or
+#   Inf means damaged weights, such as {doc}`04_quantizing`'s faulty 6-bit kernel; the host learns it in the same
+#   read as the tokens, so the check costs no extra wait.
 
 # %% [markdown]
 # ## A worked example
@@ -134,6 +159,8 @@ example = qmtp.generate(
     n_draft=3,
 )
 fig = plots.speculative_steps(example, model.tokenizer)
+
+# %% tags=["remove-cell"]
 example_passes = plots.shown_passes(example)
 glue("ex_tokens", len(example.tokens), display=False)
 glue("ex_passes", len(example_passes), display=False)
@@ -151,13 +178,13 @@ glue("ex_proposed", proposed, display=False)
 mismatches = 0
 for prompt in prompts:
     plain = qmtp.generate(model, prompt, max_tokens=MAX_TOKENS).tokens
-    mismatches += sum(
-        qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
-        for n in N_DRAFTS
-    )
+    for n in N_DRAFTS:
+        mismatches += qmtp.generate(model, prompt, max_tokens=MAX_TOKENS, n_draft=n).tokens != plain
+assert mismatches == 0
+
+# %% tags=["remove-cell"]
 glue("lossless_checks", len(N_DRAFTS) * len(prompts), display=False)
 glue("lossless_mismatches", mismatches, display=False)
-assert mismatches == 0
 
 # %% [markdown]
 # {glue:text}`lossless_checks` speculative runs, {glue:text}`lossless_mismatches` different from plain
@@ -174,6 +201,8 @@ by_n = {
     for n in N_DRAFTS
 }
 fig = plots.acceptance_by_position(by_n)
+
+# %% tags=["remove-cell"]
 glue("acc_n2", by_n[2]["rate"], display=False)
 glue("acc_n3_second", by_n[3]["per_position"][1], display=False)
 glue("tpp_n2", by_n[2]["tokens_per_trunk_pass"], display=False)
@@ -198,47 +227,24 @@ glue("n_wide", N_DRAFTS[-1], display=False)
 
 # %%
 previous = evaluate.previous_head(model)
-if previous is not None:
+compared = None
+if previous is not None:  # kept beside the bundled model only
     heads = {"previous head": previous, "chained-trained head": None}
     compared = evaluate.compare_heads(model, heads, prompts, max_tokens=MAX_TOKENS)
-    print(
-        f"{'n_draft':>7}  {'head':<21} {'acceptance per position':<26} "
-        f"{'tokens/pass':>11} {'speed vs previous':>17}"
-    )
-    for n in range(2, 6):
-        for label in heads:
-            r = compared[label][n]
-            per = ", ".join(f"{a:.2f}" for a in r["per_position"])
-            print(
-                f"{n:>7}  {label:<21} {per:<26} {r['tokens_per_trunk_pass']:>11.2f} "
-                f"{r['speed_ratio_to_first']:>17.2f}"
-            )
+    display(Markdown(evaluate.head_comparison_table(compared)))
+
+# %% tags=["remove-cell"]
+head_glue = dict.fromkeys(["old_n3_first", "new_n3_first", "old_n3_second", "new_n3_second", "old_tpp_n4",
+                           "new_tpp_n4", "speed_ratio_n4", "speed_ratio_n5"], float("nan"))
+if compared is not None:
     old, new = compared["previous head"], compared["chained-trained head"]
     head_glue = {
-        "old_n3_first": old[3]["per_position"][0],
-        "new_n3_first": new[3]["per_position"][0],
-        "old_n3_second": old[3]["per_position"][1],
-        "new_n3_second": new[3]["per_position"][1],
-        "old_tpp_n4": old[4]["tokens_per_trunk_pass"],
-        "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
-        "speed_ratio_n4": new[4]["speed_ratio_to_first"],
-        "speed_ratio_n5": new[5]["speed_ratio_to_first"],
+        "old_n3_first": old[3]["per_position"][0], "new_n3_first": new[3]["per_position"][0],
+        "old_n3_second": old[3]["per_position"][1], "new_n3_second": new[3]["per_position"][1],
+        "old_tpp_n4": old[4]["tokens_per_trunk_pass"], "new_tpp_n4": new[4]["tokens_per_trunk_pass"],
+        "speed_ratio_n4": new[4]["speed_ratio_to_first"], "speed_ratio_n5": new[5]["speed_ratio_to_first"],
     }
-else:  # no previous head kept beside the model (real weights): nothing to compare
-    compared = None
-    head_glue = dict.fromkeys(
-        [
-            "old_n3_first",
-            "new_n3_first",
-            "old_n3_second",
-            "new_n3_second",
-            "old_tpp_n4",
-            "new_tpp_n4",
-            "speed_ratio_n4",
-            "speed_ratio_n5",
-        ],
-        float("nan"),
-    )
+else:
     print(f"{path} keeps no previous head: the comparison needs the bundled model")
 for name, value in head_glue.items():
     glue(name, value, display=False)
@@ -274,6 +280,8 @@ fig = plots.bars(
     "acceptance at n_draft=2",
     xlabel="register of the prompt",
 )
+
+# %% tags=["remove-cell"]
 best_register = max(per_register, key=per_register.get)
 worst_register = min(per_register, key=per_register.get)
 glue("registers", ", ".join(texts), display=False)
@@ -310,16 +318,13 @@ ablation = {
     )["rate"]
     for label, options in variants.items()
 }
+fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft=2", xlabel="head as run")
+
+# %% tags=["remove-cell"]
 glue("acc_no_experts", ablation["no routed experts"], display=False)
 glue("acc_prenorm", ablation["pre-norm hidden state"], display=False)
 glue("acc_head4", ablation["head weights 4-bit"], display=False)
 glue("acc_head3", ablation["head weights 3-bit"], display=False)
-fig = plots.bars(
-    list(ablation),
-    list(ablation.values()),
-    "acceptance at n_draft=2",
-    xlabel="head as run",
-)
 
 # %% [markdown]
 # Without its routed experts the head's drafts are accepted {glue:text}`acc_no_experts:.2f` of the time,
@@ -364,6 +369,8 @@ fig = plots.grouped_bars(
     "acceptance",
     xlabel="drafting as run",
 )
+
+# %% tags=["remove-cell"]
 names = dict(zip(["default", "reset", "pre", "lemon", "chain"], choices))
 for short, label in names.items():
     glue(f"ch_{short}_first", first[label], display=False)
@@ -397,24 +404,16 @@ for short, label in names.items():
 # two choices together give {glue:text}`ch_lemon_first:.2f`.
 
 # %%
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "engine": r["engine"],
-                    "n_draft": r["n_draft"],
-                    "acceptance": "{:.2f} to {:.2f}".format(*r["acceptance"]),
-                    "measured by": outside_build.MEASURED_BY,
-                    "record": f"{{cite:p}}`{r['source']}`",
-                }
-                for r in outside_build.ON_BUNDLED
-            ],
-            ["engine", "n_draft", "acceptance", "measured by", "record"],
-        )
-    )
-)
+Markdown(outside_build.on_bundled_table())
+
+# %% [markdown]
+# The head's two possible inputs, compared on the same prompts (`evaluate.head_input_agreement`):
+
+# %%
 agreement = evaluate.head_input_agreement(model, prompts[:4])
+agreement
+
+# %% tags=["remove-cell"]
 label_pre = names["pre"]
 gap = abs(first[label_pre] - first[names["default"]])
 drafted = choices[names["default"]][2]["drafted"][0]
@@ -485,32 +484,9 @@ for T in TEMPERATURES:
         )
         for n in WIDTHS
     }
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "temperature": "greedy" if T == 0 else T,
-                    "first draft (n_draft=2)": r[2]["rate"],
-                    "second draft (n_draft=3)": r[3]["per_position"][1],
-                    "tokens/pass at n_draft=3": r[3]["tokens_per_trunk_pass"],
-                }
-                for T, r in sampled.items()
-            ],
-            [
-                "temperature",
-                "first draft (n_draft=2)",
-                "second draft (n_draft=3)",
-                "tokens/pass at n_draft=3",
-            ],
-            {
-                "first draft (n_draft=2)": "{:.2f}",
-                "second draft (n_draft=3)": "{:.2f}",
-                "tokens/pass at n_draft=3": "{:.2f}",
-            },
-        )
-    )
-)
+Markdown(evaluate.sampling_table(sampled))
+
+# %% tags=["remove-cell"]
 for T in TEMPERATURES:
     glue(f"sample_{T:.1f}_first", sampled[T][2]["rate"], display=False)
 glue(
@@ -534,7 +510,7 @@ glue(
 # inside `<think>` (thinking on, the default) or after an empty think block (`enable_thinking=False`); and they
 # sample with the settings of the model card {cite:p}`qwen2026qwen36`, not greedily: thinking mode temperature 1.0,
 # top-p 0.95, top-k 20, presence penalty 1.5; its precise-coding variant 0.6, 0.95, 20, no penalty; non-thinking
-# mode 0.7, 0.8, 20, presence 1.5. Every figure published for this family is measured that way. The bundled
+# mode 0.7, 0.8, 20, presence 1.5. The bundled
 # model speaks the same format (its card says how it learned it); here are replies to held-out conversations
 # (`evaluate.chat_prompts`, requests of the corpus's kinds), drafted at a fixed width, each sampler with
 # thinking on and off (`evaluate.chat_acceptance`; sampled rows use one seed per conversation):
@@ -546,10 +522,8 @@ CHAT_SAMPLERS = (
     if FULL
     else evaluate.CHAT_SAMPLERS
 )
-if model.tokenizer.chat_template is None:
-    chat_rows = None
-    print(f"{path}: no chat template, so no chat to measure (see the bundled model)")
-else:
+chat_rows = None
+if model.tokenizer.chat_template is not None:  # a model without one has no chat to measure
     chat_rows = evaluate.chat_acceptance(
         model,
         evaluate.chat_prompts(budget.CHAT["conversations"] if FULL else 4),
@@ -557,55 +531,45 @@ else:
         max_tokens=MAX_TOKENS if FULL else 32,
         samplers=CHAT_SAMPLERS,
     )
-    display(
-        Markdown(
-            inventory.markdown_table(
-                [
-                    {
-                        "sampler": r["sampler"],
-                        "thinking": "on" if r["thinking"] else "off",
-                        "per draft position": ", ".join(
-                            f"{a:.2f}" for a in r["per_position"]
-                        ),
-                        "overall": r["rate"],
-                        "tokens/pass": r["tokens_per_trunk_pass"],
-                    }
-                    for r in chat_rows
-                ],
-                ["sampler", "thinking", "per draft position", "overall", "tokens/pass"],
-                {"overall": "{:.2f}", "tokens/pass": "{:.2f}"},
-            )
-        )
-    )
+    display(Markdown(evaluate.chat_table(chat_rows)))
+
+# %% tags=["remove-cell"]
+glue("chat_width", CHAT_WIDTH, display=False)
+if chat_rows is None:
+    print(f"{path}: no chat template, so no chat to measure (see the bundled model)")
+else:
     chat_rate = {(r["sampler"], r["thinking"]): r["rate"] for r in chat_rows}
-    glue("chat_width", CHAT_WIDTH, display=False)
     for (label, thinking), rate in chat_rate.items():
         key = label.replace(" ", "_").replace("-", "_")
         glue(f"chat_{key}_{'on' if thinking else 'off'}", rate, display=False)
-    sampled_rates = [r for (label, _), r in chat_rate.items() if label != "greedy"]
-    greedy_rates = [r for (label, _), r in chat_rate.items() if label == "greedy"]
+    off_rates = {label: r for (label, thinking), r in chat_rate.items() if not thinking}
+    sampled_off = [r for label, r in off_rates.items() if label != "greedy"]
     glue(
         "chat_verdict",
         (
-            "every recommended sampler keeps fewer drafts than greedy decoding"
-            if max(sampled_rates) < min(greedy_rates)
-            else "the recommended samplers do not all keep fewer drafts than greedy decoding"
+            "with thinking off, every recommended sampler keeps fewer drafts than greedy decoding"
+            if max(sampled_off) < off_rates["greedy"]
+            else "with thinking off, the recommended samplers do not all keep fewer drafts than greedy decoding"
         ),
         display=False,
     )
 
 # %% [markdown]
-# At n_draft {glue:text}`chat_width`, greedy drafts are kept {glue:text}`chat_greedy_on:.2f` of the time with
-# thinking on and {glue:text}`chat_greedy_off:.2f` with it off; with the card's thinking-mode sampler
-# {glue:text}`chat_thinking_on:.2f` and {glue:text}`chat_thinking_off:.2f`: {glue:text}`chat_verdict` on these
+# What the table shows on the bundled model is what the samplers cost, read in the rows with thinking off: at
+# n_draft {glue:text}`chat_width` greedy drafts are kept {glue:text}`chat_greedy_off:.2f` of the time, with the
+# card's thinking-mode sampler {glue:text}`chat_thinking_off:.2f`; {glue:text}`chat_verdict` on these
 # conversations. Under sampling a draft is kept with probability min(1, p/q), so the share kept is the overlap of
 # the two processed distributions (the sum over tokens of the smaller of p and q), which is 1 only where both put
 # all their mass on one token; greedy drafting asks only that their top choices agree. A higher temperature spreads
-# both, and the mass they then place differently is drafts turned down. On the bundled model, replies with thinking
-# on start with a thought that is one of a few fixed sentences (one per kind of request in the conversations it was
-# fine-tuned on, `qmtp.tiny.chat_corpus`), which the head drafts almost without fault: its rows with thinking on
-# say more about that corpus than about thinking. The rows are single runs with one seed per conversation on a few
-# conversations; the bundled model's card measures the same table on more of them and longer replies.
+# both, and the mass they then place differently is drafts turned down.
+#
+# It does not show what thinking does to acceptance. With thinking on, the bundled model's reply starts with a
+# canned thought, one of a few fixed sentences (one per kind of request in the conversations it was fine-tuned on,
+# `qmtp.tiny.chat_corpus`), which the head drafts almost without fault: the rows with thinking on
+# ({glue:text}`chat_greedy_on:.2f` greedy, {glue:text}`chat_thinking_on:.2f` with the thinking sampler) measure
+# that fixed text, not thinking. The real model's thoughts are free text, and what they do to acceptance needs its
+# weights. The rows are single runs with one seed per conversation on a few conversations; the bundled model's card
+# measures the same table on more of them and longer replies.
 #
 # ## Explorer
 #
@@ -615,7 +579,7 @@ else:
 # %%
 widgets.step_explorer(example, model.tokenizer)
 
-# %%
+# %% tags=["remove-cell"]
 saved = results.save(
     "05_mtp_decoding",
     path,

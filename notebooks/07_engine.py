@@ -36,15 +36,14 @@
 #
 # **What runs here.** The tiny model's decoding, interleaved with mlx-lm's and mlx-vlm's on the same prompts,
 # and four layers at the real widths decoded by qmtp and by mlx-lm, all measured in this run (timings vary
-# with the machine and its load). The chapter's run time in this build is in the
+# with the machine and its load). The chapter's run time in this build, and the machine it ran on, are in the
 # {doc}`execution table <../book/execution>`; the download button at the top of the page gives this notebook.
 #
-# **At full size.** {glue:md}`budget_note` ({doc}`real_checkpoint` gives the memory and time.)
+# **At full size** ({doc}`the budget <real_checkpoint>`): {glue:md}`budget_note`
 # :::
 
 # %% tags=["hide-input"]
 import os
-import textwrap
 
 import qmtp
 from IPython.display import Markdown, display
@@ -56,7 +55,7 @@ path = inventory.model_path()
 print(inventory.describe(path))
 config = qmtp.ModelConfig.from_file(path)
 FULL = budget.active(config)  # the full-size release (qmtp.book.budget)
-glue("budget_note", Markdown(budget.statement("07_engine", config)), display=False)
+glue("budget_note", Markdown(budget.plan("07_engine")), display=False)
 model = qmtp.load(budget.decoding_model(path))
 QUICK = os.environ.get("QMTP_QUICK") == "1"
 prompts = evaluate.heldout_prompts(model, 1)
@@ -66,7 +65,7 @@ if FULL:
     MAX_TOKENS, REPEATS = budget.ENGINE["max_tokens"], budget.ENGINE["repeats"]
     N_DRAFTS = budget.ENGINE["n_drafts"]
 # mlx-vlm beside qmtp on the same checkpoint: not at full size (a second whole model)
-why_no_peer = "not loaded at full size" if FULL else peer.available()
+why_no_peer = "not loaded at full size" if FULL else peer.not_installed_reason()
 peer_engine = None if why_no_peer else peer.MlxVlmEngine(path)
 
 # %% [markdown]
@@ -80,7 +79,6 @@ peer_engine = None if why_no_peer else peer.MlxVlmEngine(path)
 # also compiled and timed alone.
 
 # %%
-print(textwrap.fill("Timed on: " + machine.line(), 72))
 report = bench.mtp(
     model,
     prompts[:1] if FULL else prompts,
@@ -90,51 +88,13 @@ report = bench.mtp(
     ablate=(1, 4),
     peer=peer_engine,
 )
-by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
-step_ms = {  # a step in the loop: tokens per pass over tokens per second
-    n: r["tokens_per_trunk_pass"] / r["tokens_per_second"] * 1e3
-    for n, r in by_n.items()
-}
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "n_draft": r["n_draft"],
-                    "tok/s": r["tokens_per_second"],
-                    "step ms": step_ms[r["n_draft"]],
-                    "verify ms": r["trunk_seconds_per_pass"] * 1e3,
-                    "drafts ms": (r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3,
-                    "queue ms": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
-                    "wait ms": r["phase_seconds_per_pass"].get("sync", 0) * 1e3,
-                }
-                for r in report["results"]
-            ],
-            [
-                "n_draft",
-                "tok/s",
-                "step ms",
-                "verify ms",
-                "drafts ms",
-                "queue ms",
-                "wait ms",
-            ],
-            {
-                "tok/s": "{:.0f}",
-                "step ms": "{:.2f}",
-                "verify ms": "{:.2f}",
-                "drafts ms": "{:.2f}",
-                "queue ms": "{:.2f}",
-                "wait ms": "{:.2f}",
-            },
-        )
-    )
-)
-passes_ms = {
-    n: (r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"]) * 1e3
-    for n, r in by_n.items()
-}
+Markdown(bench.step_table(report))
+
+# %% tags=["remove-cell"]
+by_n = {r["n_draft"]: r for r in report["results"]}
+step_ms = {n: r["step_seconds_mean"] * 1e3 for n, r in by_n.items()}
+passes_ms = {n: (r["trunk_seconds_per_pass"] + (n - 1) * r["head_seconds_per_draft"]) * 1e3 for n, r in by_n.items()}
 # the share of a step in the loop spent outside its passes (0 where noise says less)
 outside = {n: max(0.0, 1 - passes_ms[n] / step_ms[n]) for n in by_n}
 glue("plain_step_ms", step_ms[1], display=False)
@@ -143,25 +103,15 @@ glue("n4_outside", outside[4], display=False)
 phases = by_n[2]["phase_seconds_per_pass"]
 queue_share = phases.get("build", 0) * 1e3 / step_ms[2]
 wait_share = phases.get("sync", 0) * 1e3 / step_ms[2]
+glue("queue_share", queue_share, display=False)
+glue("wait_share", wait_share, display=False)
 glue(
-    "phase_phrase",
-    (
-        "The loop's phase timers cannot split that part off: at n_draft=2 \"queue\" "
-        "takes "
-        + (
-            "about the whole step"
-            if queue_share >= 0.95
-            else f"{queue_share:.0%} of a step"
-        )
-        + f" and \"wait\" {wait_share:.0%}, because on "
-        "the CPU MLX computes on the host's own cores, so queueing a step runs most "
-        "of its computation there and then, and waiting finds it done"
-        if queue_share + wait_share > outside[2] + 0.1
-        else "That part is the loop's: the host calling the compiled step and queueing "
-        f"it, {queue_share:.0%} of a step at n_draft=2, and waiting for its tokens, "
-        f"{wait_share:.0%}. On the CPU MLX computes on the host's own cores, so the "
-        "host's work and the computation take turns more than they overlap"
-    ),
+    "phase_reading",
+    "most of the step is spent queueing it, because on the CPU MLX computes on the host's own cores, so "
+    "queueing a step runs most of its computation there and then, and waiting finds it done"
+    if queue_share > wait_share
+    else "most of the step is spent waiting for its tokens while the computation runs; the host's own work "
+    "of calling the compiled step and queueing it is the smaller part",
     display=False,
 )
 
@@ -169,8 +119,13 @@ glue(
 fig = plots.step_profile(report)
 
 # %% [markdown]
-# A plain step in the loop takes {glue:text}`plain_step_ms:.2f` ms, {glue:text}`plain_outside:.0%` of it
-# outside the pass itself ({glue:text}`n4_outside:.0%` at `n_draft=4`). {glue:text}`phase_phrase`. The loop
+# "tok/s" is the median over the rounds; "step ms", "queue ms" and "wait ms" are means per step over every round
+# (the phase timers add up every round, a slow spell included, so the step they are set beside is timed over the
+# same runs, and queue and wait never add up to more than the step). A plain step in the loop takes
+# {glue:text}`plain_step_ms:.2f` ms, {glue:text}`plain_outside:.0%` of it outside the pass itself
+# ({glue:text}`n4_outside:.0%` at `n_draft=4`). The loop's phase timers split the step differently: at n_draft=2
+# "queue" takes {glue:text}`queue_share:.0%` of a step and "wait" {glue:text}`wait_share:.0%`:
+# {glue:text}`phase_reading`. The loop
 # model of {doc}`06_throughput` counts what the loop adds once per step ($t_\text{loop}$), beside the passes'
 # own fixed cost: a cost paid once per step is shared by every token the step yields, which is why drafting
 # can pay on the tiny model.
@@ -196,18 +151,9 @@ fig = plots.step_profile(report)
 # %%
 auto = report["auto"]
 assert auto["same_tokens_as_plain"]
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {"width": n, "share of steps": share}
-                for n, share in auto["width_share"].items()
-            ],
-            ["width", "share of steps"],
-            {"share of steps": "{:.0%}"},
-        )
-    )
-)
+Markdown(bench.width_share_table(auto))
+
+# %% tags=["remove-cell"]
 glue("auto_tps", auto["tokens_per_second"], display=False)
 glue("auto_vs_plain", auto["speedup_vs_plain"], display=False)
 glue("auto_vs_best", auto["over_best_fixed"], display=False)
@@ -247,56 +193,18 @@ glue(
 # %%
 ablation = report["ablation"]
 assert all(r["same_tokens_as_lean"] for r in ablation)
+Markdown(bench.ablation_table(report))
+
+# %% tags=["remove-cell"]
 lean = {n: by_n[n]["tokens_per_second"] for n in (1, 4)}
-rows = [
-    {
-        "loop": "compiled, queued ahead",
-        "n_draft": n,
-        "tok/s": lean[n],
-        "of the lean loop": 1.0,
-        "vs plain (lean)": lean[n] / lean[1],
-    }
-    for n in (1, 4)
-]
-rows += [
-    {
-        "loop": r["loop"].replace("eager", "eager (not compiled)"),
-        "n_draft": r["n_draft"],
-        "tok/s": r["tokens_per_second"],
-        "of the lean loop": r["over_lean"],
-        "vs plain (lean)": r["tokens_per_second"] / lean[1],
-    }
-    for r in ablation
-]
-display(
-    Markdown(
-        inventory.markdown_table(
-            rows,
-            ["loop", "n_draft", "tok/s", "of the lean loop", "vs plain (lean)"],
-            {
-                "tok/s": "{:.0f}",
-                "of the lean loop": "{:.2f}x",
-                "vs plain (lean)": "{:.2f}x",
-            },
-        )
-    )
-)
 effects = bench.lean_loop_effects(ablation)
 eager = {r["n_draft"]: r for r in ablation if r["loop"].startswith("eager")}
 for n in (1, 4):
     for half, what in (("trace", "the trace"), ("queue ahead", "queueing ahead")):
-        glue(
-            f"{half.replace(' ', '_')}_n{n}",
-            bench.effect_phrase(what, effects[n][half]),
-            display=False,
-        )
+        glue(f"{half.replace(' ', '_')}_n{n}", bench.effect_phrase(what, effects[n][half]), display=False)
     glue(f"both_n{n}", effects[n]["both"], display=False)
 glue("eager_n4_vs_lean_plain", eager[4]["tokens_per_second"] / lean[1], display=False)
-glue(
-    "eager_n4_vs_eager_plain",
-    eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"],
-    display=False,
-)
+glue("eager_n4_vs_eager_plain", eager[4]["tokens_per_second"] / eager[1]["tokens_per_second"], display=False)
 glue("lean_n4_vs_plain", lean[4] / lean[1], display=False)
 worth = {"the trace": effects[4]["trace"], "queueing ahead": effects[4]["queue ahead"]}
 glue(
@@ -355,59 +263,26 @@ glue(
 # (`--draft-kind mtp`, its `block_size` the same count as `n_draft`) in the same rounds as qmtp's widths above.
 
 # %%
+if not FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
+    versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
+    assert versus["same_tokens"]
+    print(bench.decode_table(versus))
+if report.get("peer") is not None:
+    display(Markdown(bench.peer_table(report)))
+
+# %% tags=["remove-cell"]
 glue("blas_used", blas.describe(), display=False)
 glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
 glue("real_hidden", f"{qmtp.QWEN36_35B_A3B.hidden_size:,}", display=False)
 glue("real_experts", qmtp.QWEN36_35B_A3B.num_experts, display=False)
-if FULL:  # mlx-lm would hold a second whole model (qmtp.book.budget)
+if FULL:
     versus = bench.not_compared()
     print("mlx-lm is not loaded at full size")
-else:
-    versus = bench.decode(model, prompts, max_tokens=MAX_TOKENS, repeats=REPEATS)
-    print(bench.decode_table(versus))
-assert versus["same_tokens"]
 glue("qmtp_tps", versus["engines"]["qmtp"]["tokens_per_second"], display=False)
 glue("mlx_lm_tps", versus["engines"]["mlx-lm"]["tokens_per_second"], display=False)
 glue("qmtp_ratio", versus["ratio"], display=False)
 vlm = report.get("peer")
 if vlm is not None:
-    display(
-        Markdown(
-            inventory.markdown_table(
-                [
-                    {
-                        "n_draft": r["n_draft"],
-                        "qmtp tok/s": by_n[r["n_draft"]]["tokens_per_second"],
-                        "mlx-vlm tok/s": r["tokens_per_second"],
-                        "qmtp / mlx-vlm": r["qmtp_over_peer"],
-                        "same tokens as qmtp": (
-                            "yes" if r["same_tokens_as_qmtp"] else "no"
-                        ),
-                        "mlx-vlm acceptance": ", ".join(
-                            f"{a:.2f}"
-                            for a in r["acceptance_per_position"]
-                            if a is not None
-                        )
-                        or "-",
-                    }
-                    for r in vlm["results"]
-                ],
-                [
-                    "n_draft",
-                    "qmtp tok/s",
-                    "mlx-vlm tok/s",
-                    "qmtp / mlx-vlm",
-                    "same tokens as qmtp",
-                    "mlx-vlm acceptance",
-                ],
-                {
-                    "qmtp tok/s": "{:.0f}",
-                    "mlx-vlm tok/s": "{:.0f}",
-                    "qmtp / mlx-vlm": "{:.2f}x",
-                },
-            )
-        )
-    )
     vlm_best = vlm["best_qmtp_over_best_peer"]
     vlm_same = all(r["same_tokens_as_qmtp"] for r in vlm["results"])
     vlm_line = (
@@ -417,7 +292,7 @@ if vlm is not None:
            "qmtp's: see the table.")
     )
 else:
-    vlm_best, vlm_line = float("nan"), f"mlx-vlm was not run: {why_no_peer}."
+    vlm_best, vlm_line = float("nan"), f"mlx-vlm was not run here ({why_no_peer})."
 glue("vlm_line", vlm_line, display=False)
 
 # %% [markdown]
@@ -436,43 +311,65 @@ glue("vlm_line", vlm_line, display=False)
 # release the comparison is not run (mlx-lm would hold a second whole model).
 
 # %%
-if FULL:
-    wide = bench.not_compared()
-    print("not run at full size")
-else:
+if not FULL:
     real = bench.real_width_model()
-    wide = bench.decode(
-        real,
-        [prompts[0]],
-        max_tokens=3 if QUICK else 4,
-        repeats=2,
-        reference=bench.mlx_lm_twin(real),
-    )
+    wide = bench.decode(real, [prompts[0]], max_tokens=3 if QUICK else 4, repeats=2,
+                        reference=bench.mlx_lm_twin(real))
+    assert wide["same_tokens"]
+    lm_head = bench.lm_head_seconds(real)
     del real  # 5 GB
     print(bench.decode_table(wide))
-assert wide["same_tokens"]
+    print(lm_head)
+
+# %% tags=["remove-cell"]
+if FULL:
+    wide = bench.not_compared()
+    lm_head = {"split": float("nan"), "whole": float("nan"), "blocks": 1}
+    print("not run at full size")
 glue("wide_qmtp", wide["engines"]["qmtp"]["tokens_per_second"], display=False)
 glue("wide_mlx_lm", wide["engines"]["mlx-lm"]["tokens_per_second"], display=False)
 glue("wide_ratio", wide["ratio"], display=False)
 glue(
     "wide_verdict",
-    (
-        "the same speed within a tenth"
-        if abs(wide["ratio"] - 1) <= 0.1
-        else f"a ratio of {wide['ratio']:.2f}"
-    ),
+    "the same speed within a tenth" if abs(wide["ratio"] - 1) <= 0.1 else f"a ratio of {wide['ratio']:.2f}",
     display=False,
 )
+# per token, how far apart the engines are, and how much of that the split lm_head saves
+gap_ms = (1 / wide["engines"]["mlx-lm"]["tokens_per_second"] - 1 / wide["engines"]["qmtp"]["tokens_per_second"]) * 1e3
+saved_ms = (lm_head["whole"] - lm_head["split"]) * 1e3
+glue("wide_gap_ms", gap_ms, display=False)
+glue("lm_whole_ms", lm_head["whole"] * 1e3, display=False)
+glue("lm_split_ms", lm_head["split"] * 1e3, display=False)
+glue("lm_blocks", lm_head["blocks"], display=False)
+if lm_head["blocks"] == 1:
+    gap_reading = ("qmtp does not split lm_head on this machine (one usable core, or a float weight under "
+                   "OpenBLAS), so the split explains none of the gap, and what does is not measured here")
+elif saved_ms <= 0:
+    gap_reading = "the split saves nothing measurable here, so the gap comes from elsewhere, not measured here"
+elif gap_ms <= 0:
+    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, yet qmtp is not the faster engine here: "
+                   "what it loses elsewhere is not measured apart here")
+elif saved_ms >= gap_ms:
+    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, as much as the whole gap or more, so it accounts "
+                   "for qmtp's lead; what qmtp spends of that saving elsewhere is not measured apart here")
+else:
+    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, {saved_ms / gap_ms:.0%} of the gap; the rest of "
+                   "it is not measured apart here (the other difference between the two engines' code is qmtp's "
+                   "compiled step, which fuses the elementwise work between the products)")
+glue("gap_reading", gap_reading, display=False)
 
 # %% [markdown]
 # At the real widths qmtp decodes {glue:text}`wide_qmtp:.2f` tokens/s and mlx-lm
-# {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens. Both engines spend their time
-# in the same MLX kernel, the CPU's quantized matrix product, whose cost on this machine {doc}`06_throughput`
-# measured; lm_head alone, {glue:text}`real_vocab` rows of {glue:text}`real_hidden` weights, is one such product per token. qmtp's one addition
-# there is `qmtp.cores`: lm_head cut into blocks of rows computed on separate CPU streams, so on separate
-# cores, with exactly the same logits (`QMTP_CORES=1` turns it off).
-#
-# %%
+# {glue:text}`wide_mlx_lm:.2f`, {glue:text}`wide_verdict`, with the same tokens: {glue:text}`wide_gap_ms:.0f` ms a
+# token apart. Both engines spend most of their time in the same MLX kernel, the CPU's quantized matrix product,
+# whose cost on this machine {doc}`06_throughput` measured; they differ in how they call it. qmtp's one addition
+# there is `qmtp.cores`: lm_head, {glue:text}`real_vocab` rows of {glue:text}`real_hidden` weights and one such
+# product per token, cut into blocks of rows computed on separate CPU streams, so on separate cores, with exactly
+# the same logits (`QMTP_CORES=1` turns it off). Timed alone in this run (`bench.lm_head_seconds`), lm_head takes
+# {glue:text}`lm_whole_ms:.0f` ms whole, as mlx-lm runs it, and {glue:text}`lm_split_ms:.0f` ms in
+# {glue:text}`lm_blocks` blocks, as qmtp runs it: {glue:text}`gap_reading`.
+
+# %% tags=["remove-cell"]
 saved = results.save(
     "07_engine",
     path,
@@ -486,6 +383,8 @@ saved = results.save(
         "qmtp_over_mlx_lm": versus["ratio"],
         "qmtp_over_mlx_vlm_best": vlm_best,
         "real_width_qmtp_over_mlx_lm": wide["ratio"],
+        "real_width_lm_head_ms": {"whole": lm_head["whole"] * 1e3, "split": lm_head["split"] * 1e3,
+                                  "blocks": lm_head["blocks"]},
         "real_width_tokens_per_second": {
             name: e["tokens_per_second"] for name, e in wide["engines"].items()
         },

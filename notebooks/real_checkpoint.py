@@ -49,12 +49,11 @@ import textwrap
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import budget, inventory, machine, results
+from qmtp.book import budget, inventory, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
 throughput_saved = results.load("06_throughput", path)
-print(textwrap.fill("Timed on: " + machine.line(throughput_saved["machine"]), 72))
 widths = budget.widths_table()
 release = widths[0]
 glue("release_gb", release["disk GB"], display=False)
@@ -102,10 +101,12 @@ Markdown(inventory.markdown_table(widths, list(widths[0]), one_decimal))
 # Run as written, chapter 2 would load the whole model {glue:text}`fixes_loads` times and chapter 4 would convert
 # it {glue:text}`quant_conversions` times.
 # When `QMTP_MODEL` points at a model with the release's widths, the chapters follow a budget instead
-# (`qmtp.book.budget`; each chapter states its own at the top): chapters 2 to 4 work on the first
+# (`qmtp.book.budget`; each chapter states its own plan at the top, under *At full size*, and says no more about
+# it): chapters 2 to 4 work on the first
 # {glue:text}`budget_layers` trunk layers (`qmtp.load(path, layers=...)`), chapter 3 converts the whole model once,
-# to {glue:text}`budget_bits` bits, and chapters 4 to 6 decode with that one conversion. On the bundled model
-# the budget does not apply, and no number in the book changes.
+# to {glue:text}`budget_bits` bits, and chapters 4 to 6 decode with that one conversion. On the bundled model, or
+# any model narrower than the release, the budget does not apply: every chapter runs as written, and no number in
+# the book changes.
 
 # %% tags=["hide-input"]
 seconds = budget.pass_seconds(throughput_saved["real_width"])
@@ -135,7 +136,7 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # {glue:text}`plan_fits`, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
 #
 # **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
-# the machine that built this page (named above). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
+# the machine that built this page (named in the {doc}`execution table <../book/execution>`). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
 # layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
 # {glue:text}`head_draft_ms:.0f` ms (a draft is one layer, but it ends in `lm_head`, the product with all
 # {glue:text}`real_vocab` rows of the vocabulary, which a pass of only a few layers pays once too); scaled by

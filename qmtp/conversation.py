@@ -28,7 +28,7 @@ from .speculative import Generation, _prompt_tokens, decode
 
 
 class Conversation:
-    """A chat with `model` that keeps its decoding state between turns.
+    """A chat with `model` that keeps its decoding state between turns::
 
         conv = qmtp.Conversation(model, "Be brief.", enable_thinking=False, n_draft=3, max_tokens=256)
         g = conv.send("Why is the sky blue?")       # a Generation, as generate returns
@@ -93,12 +93,12 @@ class Conversation:
 
     @property
     def messages(self) -> list[dict]:
-        """The history so far (a copy): the system message, then each user message and reply."""
+        """The history so far (a copy), the system message, then each user message and reply."""
         return [dict(m) for m in self._messages]
 
     @property
     def tokens(self) -> list[int]:
-        """raw=True: the ids of the messages and replies so far (a copy)."""
+        """With raw=True, the ids of the messages and replies so far (a copy)."""
         return list(self._tokens)
 
     def next_prompt(self, message) -> str:

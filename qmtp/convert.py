@@ -41,7 +41,7 @@ configs this way: a Qwen3-Next source (`qwen3_next`, fused `in_proj_qkvz`) is wr
 which qmtp loads and mlx-lm's `qwen3_next` model does not; a flat `qwen3_5_moe_text` config has no mlx-lm
 model class at all.
 
-How this converter differs from the seed's (lemon-mlx-engine's) is chapter 3's last section.
+How this converter differs from lemon-mlx-engine's is chapter 3's last section.
 """
 
 from __future__ import annotations

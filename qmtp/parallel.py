@@ -78,7 +78,7 @@ class ExpertShard:
 
     @property
     def rows(self) -> tuple[int, int]:
-        """(first, stop) of this rank's block of experts: rows of every stacked expert tensor."""
+        """(first, stop) of this rank's block of experts, as rows of every stacked expert tensor."""
         return self.rank * self.held, (self.rank + 1) * self.held
 
     def routed(self, experts, x: mx.array, indices: mx.array) -> mx.array:

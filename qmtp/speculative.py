@@ -13,7 +13,7 @@ One step, with the trunk's cache holding x_0..x_t and the trunk's choice x_{t+1}
    the output has exactly the trunk's distribution.
 4. roll back: every cache is cut back to the accepted tokens, as if only they had been decoded.
 
-`n_draft` follows the seed engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
+`n_draft` follows lemon-mlx-engine's convention: it counts the trunk's own token, so `n_draft=1` is plain
 decoding and `n_draft=2` verifies one head draft per step (vLLM's num_speculative_tokens = n_draft - 1).
 `n_draft="auto"` lets `qmtp.adaptive.DraftPlanner` choose it step by step.
 """
@@ -67,23 +67,23 @@ class Stats:
 
     @property
     def trunk_passes(self) -> int:
-        """Decode or verify passes (a replay after a partial accept is not counted: it is rollback work)."""
+        """Decode or verify passes (a replay after a partial accept is not counted, being rollback work)."""
         return len(self.steps)
 
     @property
     def nonfinite_drafts(self) -> int:
-        """Proposed drafts the head chose from NaN or Inf logits (a damaged head): verification keeps the
+        """Proposed drafts the head chose from NaN or Inf logits (a damaged head). Verification keeps the
         output exact, but such a head drafts no better than chance, so `chat` reports them."""
         return sum(s.nonfinite_drafts for s in self.steps)
 
     @property
     def widths(self) -> list[int]:
-        """Each step's n_draft (with "auto", the width chosen): its tokens per pass."""
+        """Each step's n_draft (with "auto", the width chosen), which is its tokens per pass."""
         return self.tokens_per_pass
 
     @property
     def tokens_per_pass(self) -> list[int]:
-        """Tokens each pass ran through the trunk: the pending token and the drafts."""
+        """Tokens each pass ran through the trunk, the pending token and the drafts."""
         return [1 + len(s.drafts) for s in self.steps]
 
     @property
@@ -287,7 +287,7 @@ def generate(model: Model, prompt=None, max_tokens: int = 64, n_draft: int | str
 
     Args:
         n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft),
-            the reference engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
+            lemon-mlx-engine's convention; vLLM's num_speculative_tokens is n_draft - 1. "auto": chosen per
             step from 1..5 (`qmtp.adaptive`).
         temperature: 0 (the default) for greedy; otherwise the tokens have exactly the trunk's distribution,
             processed as below (`qmtp.Engine`'s acceptance: coupled by default, so a seed

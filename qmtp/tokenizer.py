@@ -242,7 +242,7 @@ class Tokenizer:
 
     @property
     def end_ids(self) -> frozenset[int]:
-        """Ids that end a generation as far as the tokenizer knows: ``<|endoftext|>`` and the config's
+        """Ids that end a generation as far as the tokenizer knows, ``<|endoftext|>`` and the config's
         ``eos_token`` (Qwen3.6's is ``<|im_end|>``, which ends a chat turn). `qmtp.chat.end_ids` adds the
         checkpoint's generation_config.json."""
         ids = {self._eos_id, self._config_token_id("eos_token")}
@@ -250,7 +250,7 @@ class Tokenizer:
 
     @property
     def special_tokens(self) -> dict[str, str]:
-        """The named special tokens of tokenizer_config.json (eos_token, pad_token, ...) that are set: a chat
+        """The named special tokens of tokenizer_config.json (eos_token, pad_token, ...) that are set; a chat
         template sees them as variables, as in transformers."""
         found = {name: _token_content(self.config.get(name)) for name in chat.SPECIAL_TOKENS}
         return {name: text for name, text in found.items() if text is not None}

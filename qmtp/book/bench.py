@@ -389,6 +389,9 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     first_token = {name: [] for name in engines}  # seconds from the call to the first token, every run
     outputs, timers = {}, {n: PhaseTimer() for n in [*n_drafts, "auto"]}
     names = list(engines)
+    # decode seconds over every round: the phase timers add up every round too, so a step's mean time over the
+    # same runs bounds its phases (a median speed comes from other rounds than a slow spell's)
+    all_seconds = dict.fromkeys(names, 0.0)
     for r in range(repeats):
         seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         results = {name: [] for name in names}
@@ -409,6 +412,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
                 results[name].append(out)
         for name in names:
             speeds[name].append(tokens[name] / seconds[name])
+            all_seconds[name] += seconds[name]
             outputs.setdefault(name, results[name])  # greedy: every round makes the same tokens
     config = model.config
     E, k = config.num_experts, config.num_experts_per_tok
@@ -444,6 +448,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             "ideal_speedup": tokens_per_pass / (1 + (n - 1) * head / plain_pass),
             "phase_seconds_per_pass": {name: t / (repeats * len(passes)) for name, t in phases.items()},
             "decode_seconds_per_pass": decode / (repeats * len(passes)),
+            "step_seconds_mean": all_seconds[("qmtp", n)] / (repeats * len(passes)),
             "tokens_in_verify_pass": statistics.mean(tokens_in_pass),
             "experts_per_layer_measured": measured_union,
             "experts_per_layer_independent": independent,
@@ -666,3 +671,74 @@ def _config_summary(model: Model) -> dict:
 def write_json(report: dict, path: Path | None) -> None:
     if path is not None:
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def lm_head_seconds(model: Model, repeats: int = 5) -> dict:
+    """lm_head alone on one token's hidden state, as qmtp runs it (split into row blocks on several CPU streams by
+    `qmtp.cores`, where it does) and whole, as mlx-lm runs it: median seconds of each, interleaved, and the
+    number of blocks (1 where qmtp does not split)."""
+    import statistics
+    import time
+
+    split = model._lm_head_split
+    h = mx.ones((1, 1, model.config.hidden_size), model.dtype)
+    ways = {"split": split if split is not None else model.lm_head, "whole": model.lm_head}
+    for run in ways.values():  # the first product of each shape pays for its setup
+        mx.eval(run(h))
+    seconds = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, run in ways.items():
+            started = time.perf_counter()
+            mx.eval(run(h))
+            seconds[name].append(time.perf_counter() - started)
+    return {"split": statistics.median(seconds["split"]), "whole": statistics.median(seconds["whole"]),
+            "blocks": len(split.blocks) if split is not None else 1}
+
+
+# ---- bench.mtp's report as Markdown tables for chapter 7 (one table per function) ---------------------------------
+def _markdown_table(rows, columns, formats=None) -> str:
+    from .inventory import markdown_table
+
+    return markdown_table(rows, columns, formats)
+
+
+def step_table(report: dict) -> str:
+    """Per n_draft: the median speed, a step's mean time over every round, the verify pass and the head's drafts
+    timed alone, and the loop's phases (queueing the step, waiting for its tokens) per step over the same rounds."""
+    rows = [{"n_draft": r["n_draft"], "tok/s": r["tokens_per_second"], "step ms": r["step_seconds_mean"] * 1e3,
+             "verify ms": r["trunk_seconds_per_pass"] * 1e3,
+             "drafts ms": (r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3,
+             "queue ms": r["phase_seconds_per_pass"].get("build", 0) * 1e3,
+             "wait ms": r["phase_seconds_per_pass"].get("sync", 0) * 1e3} for r in report["results"]]
+    formats = {"tok/s": "{:.0f}", **dict.fromkeys(list(rows[0])[2:], "{:.2f}")}
+    return _markdown_table(rows, list(rows[0]), formats)
+
+
+def width_share_table(auto: dict) -> str:
+    """The share of steps `n_draft="auto"` ran at each width."""
+    rows = [{"width": n, "share of steps": share} for n, share in auto["width_share"].items()]
+    return _markdown_table(rows, ["width", "share of steps"], {"share of steps": "{:.0%}"})
+
+
+def ablation_table(report: dict) -> str:
+    """The lean loop (compiled, queued ahead) at plain decoding and n_draft 4 beside the loop with one or both
+    taken away: medians of tokens/s, the per-round ratio to the lean loop, and speed over lean plain decoding."""
+    lean = {r["n_draft"]: r["tokens_per_second"] for r in report["results"] if r["n_draft"] in (1, 4)}
+    rows = [{"loop": "compiled, queued ahead", "n_draft": n, "tok/s": lean[n], "of the lean loop": 1.0,
+             "vs plain (lean)": lean[n] / lean[1]} for n in (1, 4)]
+    rows += [{"loop": r["loop"].replace("eager", "eager (not compiled)"), "n_draft": r["n_draft"],
+              "tok/s": r["tokens_per_second"], "of the lean loop": r["over_lean"],
+              "vs plain (lean)": r["tokens_per_second"] / lean[1]} for r in report["ablation"]]
+    return _markdown_table(rows, list(rows[0]), {"tok/s": "{:.0f}", "of the lean loop": "{:.2f}x",
+                                                 "vs plain (lean)": "{:.2f}x"})
+
+
+def peer_table(report: dict) -> str:
+    """qmtp's widths beside mlx-vlm's in the same rounds (`report["peer"]`, present when mlx-vlm ran)."""
+    qmtp_tps = {r["n_draft"]: r["tokens_per_second"] for r in report["results"]}
+    rows = [{"n_draft": r["n_draft"], "qmtp tok/s": qmtp_tps[r["n_draft"]], "mlx-vlm tok/s": r["tokens_per_second"],
+             "qmtp / mlx-vlm": r["qmtp_over_peer"], "same tokens as qmtp": "yes" if r["same_tokens_as_qmtp"] else "no",
+             "mlx-vlm acceptance": ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"] if a is not None) or "-"}
+            for r in report["peer"]["results"]]
+    return _markdown_table(rows, list(rows[0]), {"qmtp tok/s": "{:.0f}", "mlx-vlm tok/s": "{:.0f}",
+                                                 "qmtp / mlx-vlm": "{:.2f}x"})

@@ -274,3 +274,10 @@ def statement(chapter: str, config: ModelConfig) -> str:
     where = ("it applies to this model, which has the release's widths" if active(config) else
              "it does not apply to this model, so everything below runs as written")
     return f"With `QMTP_MODEL` at the full-size release, {_plans()[chapter]}: {where}."
+
+
+def plan(chapter: str) -> str:
+    """What the chapter does at full size, as one sentence of Markdown (whether it applies is said once, on the
+    real-checkpoint page)."""
+    text = _plans()[chapter]
+    return text[0].upper() + text[1:] + "."

@@ -25,3 +25,39 @@ from ..tiny.evaluate import (  # noqa: F401  (re-exported)
     CHAT_SAMPLERS,
     ENGINE_CHOICES,
 )
+
+
+# ---- the measurements above as Markdown tables (one table per function) ------------------------------------------
+def _markdown_table(rows, columns, formats=None) -> str:
+    from .inventory import markdown_table
+
+    return markdown_table(rows, columns, formats)
+
+
+def head_comparison_table(compared: dict) -> str:
+    """`compare_heads`'s result as a Markdown table: per n_draft and head, acceptance per draft position, tokens per
+    trunk pass and decode speed over the first head's."""
+    rows = []
+    for n in sorted(next(iter(compared.values()))):
+        for label, by_n in compared.items():
+            r = by_n[n]
+            rows.append({"n_draft": n, "head": label,
+                         "acceptance per position": ", ".join(f"{a:.2f}" for a in r["per_position"]),
+                         "tokens/pass": r["tokens_per_trunk_pass"], "speed vs first": r["speed_ratio_to_first"]})
+    return _markdown_table(rows, list(rows[0]), {"tokens/pass": "{:.2f}", "speed vs first": "{:.2f}"})
+
+
+def sampling_table(sampled: dict) -> str:
+    """{temperature: {2: acceptance at n_draft 2, 3: at n_draft 3}} as a Markdown table (temperature 0 is greedy)."""
+    rows = [{"temperature": "greedy" if t == 0 else t, "first draft (n_draft=2)": r[2]["rate"],
+             "second draft (n_draft=3)": r[3]["per_position"][1],
+             "tokens/pass at n_draft=3": r[3]["tokens_per_trunk_pass"]} for t, r in sampled.items()]
+    return _markdown_table(rows, list(rows[0]), dict.fromkeys(list(rows[0])[1:], "{:.2f}"))
+
+
+def chat_table(chat_rows: list[dict]) -> str:
+    """`chat_acceptance`'s rows as a Markdown table."""
+    rows = [{"sampler": r["sampler"], "thinking": "on" if r["thinking"] else "off",
+             "per draft position": ", ".join(f"{a:.2f}" for a in r["per_position"]), "overall": r["rate"],
+             "tokens/pass": r["tokens_per_trunk_pass"]} for r in chat_rows]
+    return _markdown_table(rows, list(rows[0]), {"overall": "{:.2f}", "tokens/pass": "{:.2f}"})

@@ -76,3 +76,55 @@ def human_count(n: float) -> str:
     if n >= 1e3:
         return f"{n / 1e3:.1f} K"
     return str(int(n))
+
+
+def category_table(rows: list[dict]) -> str:
+    """`by_category`'s rows as a Markdown table, parameters and bytes in readable units."""
+    shown = [{**r, "params": human_count(r["parameters"]), "size": human_bytes(r["bytes"])} for r in rows]
+    return markdown_table(shown, ["part", "category", "tensors", "params", "size"])
+
+
+def count_table(counts: dict[str, int]) -> str:
+    """`qmtp.sizes.parameter_counts` as a Markdown table, each count under its plain-words label."""
+    from ..sizes import PARAMETER_COUNT_LABELS
+
+    rows = [{"parameters of": PARAMETER_COUNT_LABELS[k], "count": human_count(v)} for k, v in counts.items()]
+    return markdown_table(rows, ["parameters of", "count"])
+
+
+def variant_rows(reports: dict, card_gb: dict) -> list[dict]:
+    """One row per trunk width from `qmtp.sizes.sizes` reports ({bits: report}), beside the size a model card
+    states for that width (`card_gb`, {bits: GB})."""
+    return [{"trunk bits": bits, "trunk GB": r.trunk_bytes / 1e9, "head GB (bf16)": r.head_bytes / 1e9,
+             "total GB": r.total_bytes / 1e9, "total GiB": r.total_bytes / 2**30,
+             "lemon-mlx-engine's card (GB)": card_gb[bits]} for bits, r in reports.items()]
+
+
+def variant_table(rows: list[dict]) -> str:
+    """`variant_rows` as a Markdown table."""
+    return markdown_table(rows, list(rows[0]), {"trunk GB": "{:.1f}", "head GB (bf16)": "{:.2f}",
+                                                "total GB": "{:.1f}", "total GiB": "{:.1f}"})
+
+
+def tensor_listing(ckpt, prefix: str) -> list[dict]:
+    """Name, dtype and shape of every tensor of `ckpt` (a `qmtp.Checkpoint`) whose name starts with `prefix`."""
+    return [{"tensor": n, "dtype": i.dtype, "shape": str(list(i.shape))}
+            for n, i in sorted(ckpt.infos.items()) if n.startswith(prefix)]
+
+
+def listing_table(listing: list[dict]) -> str:
+    """`tensor_listing` as a Markdown table."""
+    return markdown_table(listing, ["tensor", "dtype", "shape"])
+
+
+def metadata_table(metadata: dict[str, str]) -> str:
+    """A converted file's metadata as a Markdown table: the per-tensor widths (`qmtp.quantization`) counted rather
+    than listed, the source digest shortened."""
+    import json
+
+    widths = json.loads(metadata["qmtp.quantization"])
+    shown = {k: v for k, v in metadata.items() if k != "qmtp.quantization"}
+    shown["qmtp.quantization"] = f"{len(widths)} entries, one per stored weight"
+    if "qmtp.source_digest" in shown:
+        shown["qmtp.source_digest"] = shown["qmtp.source_digest"][:16] + "…"
+    return markdown_table([{"key": k, "value": f"`{v}`"} for k, v in shown.items()], ["key", "value"])

@@ -131,3 +131,39 @@ def norm_kinds(config) -> list[dict]:
         row = kinds.setdefault(kind, {"norm weight": kind, "count": 0, "shifted": fixes.is_zero_centred_norm(name)})
         row["count"] += 1
     return list(kinds.values())
+
+
+def outcome_cells(result: dict) -> dict[str, str]:
+    """`outcome`'s result as table cells: accuracy, perplexity and the continuation, or MLX's refusal."""
+    import textwrap
+
+    if not result["runs"]:
+        return {"accuracy": "-", "perplexity": "-",
+                "what happens": "MLX refuses: " + textwrap.shorten(result["error"], 90, placeholder=" …")}
+    return {"accuracy": f"{result['accuracy']:.3f}", "perplexity": f"{result['perplexity']:.1f}",
+            "what happens": textwrap.shorten(result["continuation"], 90, placeholder=" …")}
+
+
+def outcome_table(results: dict[str, dict], label: str, confidence: bool = False) -> str:
+    """Outcomes ({row label: `outcome` result}) as a Markdown table whose first column is headed `label`; with
+    `confidence`, also the mean probability of the top choice and the mean loss where it is wrong."""
+    from .inventory import markdown_table
+
+    rows, columns = [], [label, "accuracy", "perplexity"]
+    columns += ["top choice", "loss where wrong"] if confidence else []
+    for name, result in results.items():
+        row = {label: name, **outcome_cells(result)}
+        if confidence:
+            row["top choice"] = f"{result['top_probability']:.3f}"
+            row["loss where wrong"] = f"{result['loss_when_wrong']:.2f}"
+        rows.append(row)
+    return markdown_table(rows, columns + ["what happens"])
+
+
+def norm_kinds_table(kinds: list[dict]) -> str:
+    """`norm_kinds` as a Markdown table: each norm weight, how many there are, whether the fix shifts it."""
+    from .inventory import markdown_table
+
+    shown = [{**k, "norm weight": f"`{k['norm weight']}`", "shifted": "1 + w" if k["shifted"] else "no: w as stored"}
+             for k in kinds]
+    return markdown_table(shown, ["norm weight", "count", "shifted"])

@@ -21,3 +21,12 @@ ON_BUNDLED = (
 def sources() -> set[str]:
     """Every bib key a measurement here is recorded in."""
     return {r["source"] for r in ON_BUNDLED}
+
+
+def on_bundled_table() -> str:
+    """`ON_BUNDLED` as a Markdown table, each row citing the record it comes from."""
+    from .inventory import markdown_table
+
+    rows = [{"engine": r["engine"], "n_draft": r["n_draft"], "acceptance": "{:.2f} to {:.2f}".format(*r["acceptance"]),
+             "measured by": MEASURED_BY, "record": f"{{cite:p}}`{r['source']}`"} for r in ON_BUNDLED]
+    return markdown_table(rows, ["engine", "n_draft", "acceptance", "measured by", "record"])

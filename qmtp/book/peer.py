@@ -109,3 +109,19 @@ class MlxVlmEngine:
             result["acceptance"] = sum(accepted) / sum(proposed) if sum(proposed) else None
             result["acceptance_per_position"] = [a / p if p else None for a, p in zip(accepted, proposed)]
         return result
+
+
+ROCM_MARK = ".rocm"  # written into the venv by `make rocm-venv` (the Makefile's ROCM_MARK)
+
+
+def not_installed_reason(prefix=None) -> str | None:
+    """None if mlx-vlm can run here; else why not, in one line. A venv made by `make rocm-venv` (`prefix`, default
+    this interpreter's) leaves mlx-vlm out on purpose: its mlx wheel would replace the machine's ROCm build."""
+    import sys
+    from pathlib import Path
+
+    why = available()
+    if why is not None and (Path(prefix or sys.prefix) / ROCM_MARK).is_file():
+        return ("this install is `make rocm-venv`'s, which leaves out the `peer` extra (mlx-vlm) because its mlx "
+                "wheel would replace the machine's ROCm build of MLX")
+    return why

@@ -362,20 +362,20 @@ def bytes_per_pass(breakdowns: dict[str, dict[str, float]], unit: float = 1e9, u
 
 def step_profile(report: dict):
     """Where one step of the decoding loop goes, per n_draft (`qmtp.book.bench.mtp`): the verify pass and the head's
-    drafts, each timed alone, and the rest of the step in the loop (its tokens per pass over its tokens per second,
-    less those two), in ms per step."""
+    drafts, each timed alone, and the rest of the step in the loop (its mean time over every round, less those two),
+    in ms per step."""
     results = report["results"]
     ns = [r["n_draft"] for r in results]
     verify = [r["trunk_seconds_per_pass"] * 1e3 for r in results]
     head = [(r["n_draft"] - 1) * r["head_seconds_per_draft"] * 1e3 for r in results]
-    loop = [r["tokens_per_trunk_pass"] / r["tokens_per_second"] * 1e3 for r in results]
+    loop = [r["step_seconds_mean"] * 1e3 for r in results]
     rest = [max(0.0, s - v - h) for s, v, h in zip(loop, verify, head)]
     fig, ax = plt.subplots()
     ax.bar(ns, verify, color=TRUNK, label="verify pass (timed alone)")
     ax.bar(ns, head, bottom=verify, color=ACCEPTED, label="head drafts (timed alone)")
     ax.bar(ns, rest, bottom=[v + h for v, h in zip(verify, head)], color="#bbbbbb",
            label="rest of the step in the loop")
-    ax.plot(ns, loop, "_", ms=22, color="black", label="step in the loop\n(tokens/pass / tok/s)")
+    ax.plot(ns, loop, "_", ms=22, color="black", label="step in the loop\n(mean over the rounds)")
     ax.set_xticks(ns)
     ax.set_xlabel("n_draft")
     ax.set_ylabel("ms per step")
@@ -433,4 +433,17 @@ def machines_scaling(rows: list[dict], memory: str):
     ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=9,
               title="solid: best n_draft, dashed: plain decoding", title_fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def norm_weight_histograms(weights: dict[str, list[float]]):
+    """Two histograms side by side: the zero-centred norms' weights as stored (w) and as applied (1 + w)."""
+    fig, axes = plt.subplots(1, 2, figsize=(7.4, 2.8), sharey=True, layout="constrained")
+    for ax, key, title, xlabel, colour in (
+            (axes[0], "stored", "stored w", "stored value w (no unit)", TRUNK),
+            (axes[1], "effective", "effective 1 + w", "multiplier applied, 1 + w (no unit)", "#F58518")):
+        ax.hist(weights[key], bins=60, color=colour)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel("number of weights")
     return fig

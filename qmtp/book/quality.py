@@ -40,6 +40,7 @@ def measure_variant(src, texts: list[str], prompts: list[list[int]], max_tokens:
         "perplexity": metrics.perplexity,
         "head_accuracy": metrics.head_accuracy,
         "acceptance_n_draft_2": accepted["rate"],
+        "drafts_n_draft_2": sum(accepted["drafted"]),  # what the rate is counted over (its sampling error)
     }
 
 
@@ -89,3 +90,22 @@ def by_trunk_width_in_memory(make_model, texts, widths=(8, 6, 4, 3, 2), group_si
         gc.collect()
         mx.clear_cache()  # the next width's load checks the memory there is: freed buffers must be returned
     return out
+
+
+def trunk_width_table(trunk: dict, source: dict) -> str:
+    """`by_trunk_width`'s results ({bits: measures}) under a row for the unquantized `source` ({"trunk_bytes",
+    "perplexity", "acceptance_n_draft_2"}), as a Markdown table."""
+    from .inventory import markdown_table
+
+    rows = [{"trunk bits": bits, "trunk MB": m["trunk_bytes"] / 1e6, "perplexity": m["perplexity"],
+             "acceptance": m["acceptance_n_draft_2"]} for bits, m in {"bf16 (source)": source, **trunk}.items()]
+    return markdown_table(rows, list(rows[0]), {"trunk MB": "{:.2f}", "perplexity": "{:.2f}", "acceptance": "{:.3f}"})
+
+
+def head_width_table(head: dict) -> str:
+    """`by_head_width`'s results ({width: measures}) as a Markdown table."""
+    from .inventory import markdown_table
+
+    rows = [{"head": w, "head MB": m["head_bytes"] / 1e6, "acceptance": m["acceptance_n_draft_2"]}
+            for w, m in head.items()]
+    return markdown_table(rows, ["head", "head MB", "acceptance"], {"head MB": "{:.2f}", "acceptance": "{:.3f}"})
