@@ -242,6 +242,7 @@ class ContinuousBatch:
         self._planner = None
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
         self._prefill_rate = None  # seconds per prefilled token
+        self._budget = None  # prefill tokens this step may still run
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
                          "generated": 0, "prefilled_tokens": 0}
 
@@ -301,8 +302,10 @@ class ContinuousBatch:
             with self._lock:
                 while self._queue and len(self._rows) + len(self._joining) < self.max_batch:
                     self._joining.append(self._start_prefill(self._queue.popleft()))
-            if self._joining:
-                self._prefill_chunk()
+            self._budget = None
+            self._budget = self._chunk()
+            while self._joining and self._budget > 0:  # short prompts join together, a long one in chunks
+                self._budget -= self._prefill_chunk()
             if self._rows:
                 self._decode_step()
             return bool(self._rows or self._joining or self._queue)
@@ -322,7 +325,10 @@ class ContinuousBatch:
         self._remove(gone)
 
     def _chunk(self) -> int:
-        """Tokens of the next prefill chunk: about one decoding step's time while rows run."""
+        """Tokens of the next prefill chunk: what is left of this step's budget, about one decoding step's time
+        while rows run."""
+        if self._budget is not None:
+            return max(1, self._budget)
         if not self._rows:
             return IDLE_CHUNK
         if self._step_seconds is None or self._prefill_rate is None:
@@ -338,8 +344,9 @@ class ContinuousBatch:
                                self.engine.hidden, key, self._chunk)
         return _Joining(request, prefill, key)
 
-    def _prefill_chunk(self) -> None:
-        """One chunk of the first joining prompt; a prompt done joins the batch."""
+    def _prefill_chunk(self) -> int:
+        """One chunk of the first joining prompt (at most the step's budget of tokens); a prompt done joins the
+        batch. The tokens it ran."""
         joining = self._joining[0]
         request = joining.request
         started = time.perf_counter()
@@ -350,11 +357,12 @@ class ContinuousBatch:
         seconds = time.perf_counter() - started
         joining.seconds += seconds
         self.counters["prefill_chunks"] += 1
-        if self._rows and done > joining.done:
-            self._prefill_rate = seconds / (done - joining.done)
+        ran = done - joining.done
+        if self._rows and ran > 0:
+            self._prefill_rate = seconds / ran
         joining.done = done
         if result is None:
-            return
+            return ran
         self._joining.pop(0)
         request.stats.prefill_seconds = joining.seconds
         self.counters["prefilled_tokens"] += len(request.prompt_tokens)
@@ -362,13 +370,14 @@ class ContinuousBatch:
         if not finite:
             request._finish("error", _nonfinite(self.model, len(request.prompt_tokens) - 1,
                                                 request.prompt_tokens[-1], "for the prompt "))
-            return
+            return ran
         finished = request._take(self.model, [first])
         self.counters["generated"] += 1
         if finished:
             request._finish()
-            return
-        self._insert(request, state, h_last, first, mx.random.split(joining.key)[1])
+        else:
+            self._insert(request, state, h_last, first, mx.random.split(joining.key)[1])
+        return ran
 
     def _insert(self, request: Request, state: dict, h_last: mx.array, first: int, key: mx.array) -> None:
         """A prefilled request as the batch's last row."""
