@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 import mlx.core as mx
 
@@ -54,7 +54,8 @@ class Request:
         self.eos = eos
         self.submitted = time.perf_counter()
         self._cancelled = False
-        self._out: list[int] = []  # every token decoded (past an end or a stop too, until the row leaves)
+        self._out: list[int] = []  # the tokens decoded, cut after a stop string
+        self._decoded: list[int] = []  # every token decoded (past an end or a stop too, until the row leaves)
         self._streamed = 0
         self._searched = 0  # where the next search for a stop string starts in the text
         self._first_at = None
@@ -86,6 +87,7 @@ class Request:
             self._first_at = time.perf_counter()
             self.stats.first_token_seconds = self._first_at - self.submitted
         self._out.extend(emitted)
+        self._decoded.extend(emitted)
         max_tokens, stops = self.settings.max_tokens, self.settings.stop
         stopped = bool(stops) and self._at_stop(model)
         visible = _output(self._out, max_tokens, self.eos)
@@ -125,12 +127,14 @@ class Request:
         self.done.set()
 
 
-def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk):
+def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk,
+                 resume: _Held | None = None):
     """A joining prompt through the trunk alone (batch 1), `chunk()` tokens at a time, yielding between chunks
-    (and the head over its positions but the last, when it drafts). Returns (state, the trunk state at the last
-    position [1, 1, H], the first token, whether its logits were finite)."""
-    state = decoding.empty_state(model, capacity, head=head is not None)
-    at, length = 0, len(tokens)
+    (and the head over its positions but the last, when it drafts); from `resume`'s state when given (only the
+    tokens after the ones it holds are run). Returns (state, the trunk state at the last position [1, 1, H],
+    the first token, whether its logits were finite)."""
+    state, at, length = _resumed(model, head, tokens, capacity, resume), 0, len(tokens)
+    at = len(resume.ids) if resume is not None else 0
     while at < length:
         end = min(length, at + chunk())
         pre, post, _, state["layers"] = decoding.trunk_step(model, mx.array([tokens[at:end]], mx.int32), state,
@@ -153,6 +157,35 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     return state, h[:, -1:], int(first.item()), bool(finite.item())
+
+
+class _Held:
+    """A finished row's state, kept for a later prompt that continues its ids (`ContinuousBatch`'s cache): the
+    ids its trunk state holds, the state (batch 1), the last pass (what its head has not read yet)."""
+
+    def __init__(self, ids: tuple[int, ...], state: dict, last, head: bool):
+        self.ids, self.state, self.last, self.head = ids, state, last, head
+
+
+def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held | None) -> dict:
+    """The state a prefill starts from: empty, or a held row's, grown to `capacity`, its head (when drafting)
+    having read the held row's last pass, the prompt's next token after its last position."""
+    if resume is None:
+        return decoding.empty_state(model, capacity, head=head is not None)
+    state = dict(resume.state)
+    if decoding.capacity_of(model, state) < capacity:
+        state = decoding.grow_state(model, state, capacity)
+    if head is None:
+        state.pop("head", None)
+        state.pop("head_offset", None)
+        return state
+    hidden, after, keep = resume.last
+    keep = int(keep.item())
+    at = len(resume.ids)
+    read = mx.concatenate([after[:, :keep - 1], mx.array([[tokens[at]]], mx.int32)], axis=1)
+    _, state["head"] = decoding.head_step(model, head, hidden[:, :keep], read, state["head"], state["head_offset"])
+    state["head_offset"] = mx.array(at, mx.int32)
+    return state
 
 
 def _rows_of(tree, index: mx.array):
@@ -230,7 +263,10 @@ class ContinuousBatch:
             raise UsageError("a batch drafts with head_cache='keep' and rollback='record' only")
         self.model, self.max_batch, self.engine = model, max_batch, engine
         self.drafter = engine.drafter(model) if model.mtp is not None or engine.head is not None else None
+        if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
+            raise UsageError(f"cache_entries={cache_entries!r:.40} must be an integer >= 0")
         self.cache_entries = cache_entries
+        self._cache: OrderedDict[tuple[int, ...], _Held] = OrderedDict()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queue: deque[Request] = deque()
@@ -340,8 +376,12 @@ class ContinuousBatch:
         capacity = decoding.capacity_for(len(request.prompt_tokens) + settings.max_tokens + 2 * MAX_N_DRAFT)
         head = self.drafter if request.drafts else None
         key = mx.random.key(settings.seed)
+        resume = self._lookup(request)
+        if resume is not None:
+            request.cached_tokens = len(resume.ids)
+            request.stats.prefilled_tokens -= len(resume.ids)
         prefill = _prefill_row(self.model, head, request.prompt_tokens, capacity, request.strategy,
-                               self.engine.hidden, key, self._chunk)
+                               self.engine.hidden, key, self._chunk, resume)
         return _Joining(request, prefill, key)
 
     def _prefill_chunk(self) -> int:
@@ -475,7 +515,39 @@ class ContinuousBatch:
         self.counters["max_rows_in_a_step"] = max(self.counters["max_rows_in_a_step"], rows)
         finished = [b for b, (request, line) in enumerate(zip(self._rows, report))
                     if self._advance(request, line, width, caps[b])]
+        for b in finished:
+            if self._rows[b].error is None:
+                self._hold(b)
         self._remove(finished)
+
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+    def _hold(self, b: int) -> None:
+        """Keep row b's state (it just finished) for a later prompt that continues its ids; the least recently
+        used entry goes when more than `cache_entries` are held."""
+        if self.cache_entries < 1:
+            return
+        request = self._rows[b]
+        index = mx.array([b], mx.int32)
+        state = _rows_of(self._state, index)
+        state["offset"] = state["offset"][0]
+        if "head" in state:
+            state["head_offset"] = state["head_offset"][0]
+        ids = tuple(request.prompt_tokens + request._decoded[:-1])
+        self._cache[ids] = _Held(ids, state, _rows_of(self._last, index), request.drafts)
+        self._cache.move_to_end(ids)
+        while len(self._cache) > self.cache_entries:
+            self._cache.popitem(last=False)
+
+    def _lookup(self, request: Request) -> _Held | None:
+        """The held state with the longest ids that the prompt continues (and a head when the request drafts)."""
+        prompt, best = request.prompt_tokens, None
+        for ids, held in self._cache.items():
+            if (len(ids) < len(prompt) and (best is None or len(ids) > len(best.ids))
+                    and (held.head or not request.drafts) and tuple(prompt[:len(ids)]) == ids):
+                best = held
+        if best is not None:
+            self._cache.move_to_end(best.ids)
+        return best
 
     def _advance(self, request: Request, line: list[int], width: int, cap: int) -> bool:
         """A row's share of a step's report: its tokens and statistics; whether it is done."""
