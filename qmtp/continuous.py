@@ -26,7 +26,7 @@ from .adaptive import DraftPlanner
 from .errors import UsageError
 from .model import COMPILE, Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
-from .speculative import Generation, Stats, Step, _end_set, _find_stop, _nonfinite, _output, _validate
+from .speculative import Generation, Stats, Step, _end_set, _untimed, _find_stop, _nonfinite, _output, _validate
 
 PREFILL_CHUNK = 64  # tokens of a joining prompt per step while rows run, before any step is timed
 MIN_CHUNK, MAX_CHUNK = 16, 1024
@@ -262,6 +262,7 @@ class ContinuousBatch:
         if engine.head_cache != "keep" or engine.rollback != "record":
             raise UsageError("a batch drafts with head_cache='keep' and rollback='record' only")
         self.model, self.max_batch, self.engine = model, max_batch, engine
+        self._timer = engine.timer or _untimed
         self.drafter = engine.drafter(model) if model.mtp is not None or engine.head is not None else None
         if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
             raise UsageError(f"cache_entries={cache_entries!r:.40} must be an integer >= 0")
@@ -341,7 +342,8 @@ class ContinuousBatch:
             self._budget = None
             self._budget = self._chunk()
             while self._joining and self._budget > 0:  # short prompts join together, a long one in chunks
-                self._budget -= self._prefill_chunk()
+                with self._timer("prefill"):
+                    self._budget -= self._prefill_chunk()
             if self._rows:
                 self._decode_step()
             return bool(self._rows or self._joining or self._queue)
@@ -503,12 +505,18 @@ class ContinuousBatch:
         follows = k == 0 and "head" in self._state
         step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows)
         started = time.perf_counter()
-        self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
-        report = report.tolist()
+        with self._timer("step"):
+            self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
+            report = report.tolist()
         seconds = time.perf_counter() - started
+        with self._timer("host"):
+            self._book(report, width, caps, seconds)
+
+    def _book(self, report: list, width: int, caps: tuple, seconds: float) -> None:
+        """The host's share of a step: counters, the planner, every row's tokens; finished rows leave."""
         self._step_seconds = seconds
         rows = len(self._rows)
-        if self._planner is not None and k and any(r.settings.n_draft == "auto" for r in self._rows):
+        if self._planner is not None and any(r.settings.n_draft == "auto" for r in self._rows):
             self._planner.observe_cost(width, seconds)
         self.counters["steps"] += 1
         self.counters["rows_stepped"] += rows
