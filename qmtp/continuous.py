@@ -29,7 +29,7 @@ from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .speculative import Generation, Stats, Step, _end_set, _untimed, _find_stop, _nonfinite, _output, _validate
 
 PREFILL_CHUNK = 64  # tokens of a joining prompt per step while rows run, before any step is timed
-MIN_CHUNK, MAX_CHUNK = 16, 1024
+MIN_CHUNK, MAX_CHUNK = 1, 1024
 IDLE_CHUNK = 1024  # with no row running, nobody waits: a prompt is prefilled in big pieces
 
 
@@ -400,8 +400,9 @@ class ContinuousBatch:
         joining.seconds += seconds
         self.counters["prefill_chunks"] += 1
         ran = done - joining.done
-        if self._rows and ran > 0:
-            self._prefill_rate = seconds / ran
+        if self._rows and ran > 0:  # a chunk's cost per token, its fixed part included (small chunks pay it)
+            rate = seconds / ran
+            self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
         joining.done = done
         if result is None:
             return ran
