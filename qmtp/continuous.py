@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict, deque
 
 import mlx.core as mx
+import numpy as np
 
 from . import adaptive, chat, decoding
 from .adaptive import DraftPlanner
@@ -28,7 +29,8 @@ from .model import COMPILE, Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .speculative import Generation, Stats, Step, _end_set, _untimed, _find_stop, _nonfinite, _output, _validate
 
-PREFILL_CHUNK = 64  # tokens of a joining prompt per step while rows run, before any step is timed
+PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
+CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
 MIN_CHUNK, MAX_CHUNK = 1, 1024
 IDLE_CHUNK = 1024  # with no row running, nobody waits: a prompt is prefilled in big pieces
 
@@ -237,6 +239,33 @@ def _map2(function, a, b):
     return function(a, b)
 
 
+class ChunkCosts:
+    """A prefill chunk's seconds as a fixed part and a part per token, fitted to the last chunks (least squares);
+    the chunk sizes it proposes vary a little around the fit, so that the fit sees more than one size."""
+
+    def __init__(self, keep: int = 32):
+        self.seen: deque[tuple[int, float]] = deque(maxlen=keep)
+        self.turn = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seen.append((tokens, seconds))
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """About how many tokens one chunk runs in `seconds` (None before any chunk was timed)."""
+        if not self.seen:
+            return None
+        sizes = np.array([n for n, _ in self.seen], float)
+        times = np.array([t for _, t in self.seen])
+        if len(self.seen) >= 4 and sizes.std() > 0:
+            per_token, fixed = np.polyfit(sizes, times, 1)
+            per_token, fixed = max(per_token, 1e-7), max(fixed, 0.0)
+        else:  # one size seen: all of its cost counted per token (the smaller, safer guess)
+            per_token, fixed = times.sum() / sizes.sum(), 0.0
+        self.turn += 1
+        spread = (0.75, 1.25)[self.turn % 2]
+        return int(spread * max(seconds - fixed, 0.0) / per_token)
+
+
 class _Joining:
     """A request being prefilled: its prefill generator, the tokens done, the seconds spent, its seed's key."""
 
@@ -278,7 +307,7 @@ class ContinuousBatch:
         self._costs: dict[int, adaptive.StepCosts] = {}  # per batch size
         self._planner = None
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
-        self._prefill_rate = None  # seconds per prefilled token
+        self._chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
         self._budget = None  # prefill tokens this step may still run
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
                          "generated": 0, "prefilled_tokens": 0}
@@ -369,9 +398,8 @@ class ContinuousBatch:
             return max(1, self._budget)
         if not self._rows:
             return IDLE_CHUNK
-        if self._step_seconds is None or self._prefill_rate is None:
-            return PREFILL_CHUNK
-        return max(MIN_CHUNK, min(MAX_CHUNK, int(self._step_seconds / self._prefill_rate)))
+        tokens = None if self._step_seconds is None else self._chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
+        return PREFILL_CHUNK if tokens is None else max(MIN_CHUNK, min(MAX_CHUNK, tokens))
 
     def _start_prefill(self, request: Request) -> list:
         settings = request.settings
@@ -400,9 +428,8 @@ class ContinuousBatch:
         joining.seconds += seconds
         self.counters["prefill_chunks"] += 1
         ran = done - joining.done
-        if self._rows and ran > 0:  # a chunk's cost per token, its fixed part included (small chunks pay it)
-            rate = seconds / ran
-            self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
+        if self._rows and ran > 0:
+            self._chunk_costs.observe(ran, seconds)
         joining.done = done
         if result is None:
             return ran

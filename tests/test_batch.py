@@ -107,3 +107,15 @@ def test_a_row_with_nonfinite_logits_ends_alone(tmp_path):
         if error is None:  # a row whose own tokens reach id 3 fails too, at that position
             assert row.tokens == qmtp.generate(broken, prompts[batch.index(row)], max_tokens=6,
                                                stop_at_eos=False).tokens
+
+
+@pytest.mark.slow
+def test_greedy_rows_equal_their_own_runs_on_the_bundled_model():
+    bundled = qmtp.load()
+    texts = ["The history of the city", "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):", "Water boils at"]
+    prompts = [bundled.tokenizer.encode(t) for t in texts]
+    own = [qmtp.generate(bundled, p, max_tokens=40).tokens for p in prompts]
+    for n_draft in [1, 2, 3, 4, 5, "auto", [1, 3, 5, "auto"]]:
+        batch = qmtp.generate_batch(bundled, prompts, max_tokens=40, n_draft=n_draft)
+        assert [row.tokens for row in batch] == own, f"n_draft={n_draft}"

@@ -21,7 +21,7 @@ from qmtp.continuous import ContinuousBatch
 def intervals(model, long_prompt: list[int], chunked: bool) -> dict:
     batch = ContinuousBatch(model, max_batch=4)
     for text in ("The history of the city", "Once upon a time", "def fibonacci(n):"):
-        batch.submit(model.tokenizer.encode(text), Settings.of(max_tokens=100000 // 100, n_draft=1, stop_at_eos=False))
+        batch.submit(model.tokenizer.encode(text), Settings.of(max_tokens=3000, n_draft=1, stop_at_eos=False))
     while batch.active < 3:
         batch.step()
     warm = batch.submit(long_prompt[:50], Settings.of(max_tokens=3, stop_at_eos=False))  # compiles 4 rows' step
@@ -39,6 +39,7 @@ def intervals(model, long_prompt: list[int], chunked: bool) -> dict:
         joining = batch.submit(long_prompt, Settings.of(max_tokens=8, stop_at_eos=False))
         during = []
         while batch.active < 4 and not joining.done.is_set():
+            assert batch.active == 3, "a running row ended before the long prompt joined: raise their max_tokens"
             started = time.perf_counter()
             batch.step()
             during.append(time.perf_counter() - started)
