@@ -155,6 +155,8 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
     if head is not None:
         state["head_offset"] = mx.array(length - 1, mx.int32)
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
+    if getattr(strategy, "by_position", False):  # coupled sampling: the first token's key is its position's
+        key = strategy.key_at(key, length)
     first, _ = strategy.pick(logits, key)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
@@ -446,7 +448,9 @@ class ContinuousBatch:
         if finished:
             request._finish()
         else:
-            self._insert(request, state, h_last, first, mx.random.split(joining.key)[1])
+            by_position = getattr(request.strategy, "by_position", False)  # then the seed's key, never split
+            key = joining.key if by_position else mx.random.split(joining.key)[1]
+            self._insert(request, state, h_last, first, key)
         return ran
 
     def _insert(self, request: Request, state: dict, h_last: mx.array, first: int, key: mx.array) -> None:

@@ -383,12 +383,31 @@ def head_states_rows(model, head, hidden: mx.array, tokens: mx.array, buffers, a
     return z, head.norm(z), buffers
 
 
+def _by_position(strategy) -> bool:
+    """Whether the strategy draws each token's randomness from (seed, position) (coupled sampling, where it
+    exists): its keys are then made from the row's positions, never split per step."""
+    return getattr(strategy, "by_position", False)
+
+
 def _row_keys(strategies, keys: mx.array):
     """Per row (step key, draft key, accept key), split as `step` splits a single run's key."""
     out = []
     for b, strategy in enumerate(strategies):
         key = keys[b]
-        out.append(tuple(mx.random.split(key, 3)) if strategy.random else (key, key, key))
+        per_step = strategy.random and not _by_position(strategy)
+        out.append(tuple(mx.random.split(key, 3)) if per_step else (key, key, key))
+    return out
+
+
+def _draft_keys(strategies, caps, draft_keys, offsets: mx.array) -> list:
+    """Per row, the keys of its counted drafts: by position (d_1 guesses the token after `pending`, at the
+    row's offset + 1), or split off the step's draft key as a single run splits it."""
+    out = []
+    for b, (strategy, cap, key) in enumerate(zip(strategies, caps, draft_keys)):
+        if _by_position(strategy):
+            out.append(strategy.keys(key, offsets[b] + 1, cap))
+        else:
+            out.append(mx.random.split(key, cap) if strategy.random and cap else [key] * cap)
     return out
 
 
@@ -401,8 +420,7 @@ def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_k
     offset = state["head_offset"] + keep
     z_pre, z, buffers = head_states_rows(model, head, hidden, next_tokens, state["head"], state["head_offset"])
     z_pre, z = (mx.take_along_axis(s, last_kept, axis=1) for s in (z_pre, z))
-    keys = [mx.random.split(key, cap) if s.random and cap else [key] * cap
-            for s, cap, key in zip(strategies, caps, draft_keys)]
+    keys = _draft_keys(strategies, caps, draft_keys, state["offset"])
     drafts, dists, finite = [], [[] for _ in strategies], []
     for i in range(k):
         logits = model.logits(z)[:, -1].astype(mx.float32)  # [B, V]
@@ -446,7 +464,8 @@ def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, l
     logits = model.logits(post).astype(mx.float32)  # [B, k + 1, V]
     accepted, next_token = [], []
     for b, strategy in enumerate(strategies):
-        a, t = strategy.accept(tokens[b, 1:1 + caps[b]], dists[b], logits[b, :caps[b] + 1], split[b][2])
+        where = {"first": state["offset"][b] + 1} if _by_position(strategy) else {}
+        a, t = strategy.accept(tokens[b, 1:1 + caps[b]], dists[b], logits[b, :caps[b] + 1], split[b][2], **where)
         accepted.append(a.reshape(1))
         next_token.append(t.reshape(1))
     accepted, next_token = mx.concatenate(accepted), mx.concatenate(next_token)
