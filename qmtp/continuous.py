@@ -306,7 +306,9 @@ class ContinuousBatch:
         self._rows: list[Request] = []
         self._state = self._last = self._keys = None
         self._capacity = 0
-        self._costs: dict[int, adaptive.StepCosts] = {}  # per batch size
+        # step costs per batch size, kept with the model (as `generate`'s are): a later batch starts from them
+        self._costs: dict[int, adaptive.StepCosts] = model.__dict__.setdefault(
+            "_batch_step_costs", {}).setdefault((id(self.drafter), engine.hidden, engine.chain), {})
         self._planner = None
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
         self._chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
