@@ -36,3 +36,7 @@ from .prefix_cache import PrefixCache  # noqa: E402
 from .conversation import Conversation  # noqa: E402
 
 __all__ += ["Conversation", "Engine", "Generation", "PrefixCache", "Sampling", "Settings", "Stats", "decode", "generate"]
+from .batch import generate_batch  # noqa: E402
+from .continuous import ContinuousBatch  # noqa: E402
+
+__all__ += ["ContinuousBatch", "generate_batch"]

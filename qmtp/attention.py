@@ -60,6 +60,21 @@ class GatedAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=visible)
         return self.output(out, gate), (keys, values)
 
+    def step_rows(self, x: mx.array, buffers, offsets: mx.array):
+        """`step` for a batch whose rows sit at their own positions: x [B, T, H], row b at offsets[b].. ([B]
+        int32). Each row's keys and values are written at its own offset (a scatter, not a slice), its queries
+        rotated from its own position, and its mask lets it read its own valid entries only."""
+        keys, values = buffers
+        B, T, capacity = x.shape[0], x.shape[1], keys.shape[2]
+        q, k, v, gate = self.project(x, offsets)
+        positions = offsets[:, None] + mx.arange(T)[None]  # [B, T]
+        where = mx.broadcast_to(positions[:, None, :, None], k.shape)
+        keys = mx.put_along_axis(keys, where, k.astype(keys.dtype), axis=2)
+        values = mx.put_along_axis(values, where, v.astype(values.dtype), axis=2)
+        visible = mx.arange(capacity)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, capacity]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=visible)
+        return self.output(out, gate), (keys, values)
+
     def empty_state(self, batch: int, capacity: int, dtype) -> tuple[mx.array, mx.array]:
         shape = (batch, self.n_kv_heads, capacity, self.head_dim)
         return mx.zeros(shape, dtype), mx.zeros(shape, dtype)

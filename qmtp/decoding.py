@@ -447,3 +447,137 @@ def step(model, head, k: int, strategy, hidden: str, record: bool, state: dict, 
                              finite.reshape(1), drafts_finite.astype(mx.int32)])
     hidden_out = post if hidden == "post" else pre
     return new_state, (hidden_out, after, keep), report, experts, key
+
+
+# ---- a batch of rows, each at its own position (`qmtp.continuous`) -----------------------------------------
+# The same state with a leading batch axis: `offset` and `head_offset` are [B] (each row's own positions), and
+# `last` is (states [B, n, H], tokens after them [B, n], keep [B]). Each row is accepted by its own strategy,
+# with its own key and its own cap on the drafts it counts (`caps`: a row's n_draft - 1 within the step's
+# width), so a row's tokens are those of its own run: the batch shares the passes, nothing else.
+def trunk_step_rows(model, tokens: mx.array, state: dict, record: bool):
+    """`trunk_step` over tokens [B, T], row b at state["offset"][b]."""
+    x = model.embed(tokens)
+    experts, layers = [], []
+    for layer, layer_state in zip(model.layers, state["layers"]):
+        x, new_state, indices, _ = layer.step_rows(x, layer_state, state["offset"], record)
+        experts.append(indices)
+        layers.append(new_state)
+    return x, model.norm(x), experts, layers
+
+
+def keep_prefix_rows(model, recorded_layers: list, keep: mx.array) -> list:
+    """Roll back each row to its own kept prefix: row b's linear-attention state after its keep[b]-th position."""
+    out = []
+    for layer, layer_state in zip(model.layers, recorded_layers):
+        if layer.kind == LINEAR:  # recorded [T, B, ...]
+            out.append(tuple(mx.take_along_axis(s, (keep - 1).reshape((1, -1) + (1,) * (s.ndim - 2)), axis=0)[0]
+                             for s in layer_state))
+        else:
+            out.append(layer_state)
+    return out
+
+
+def head_states_rows(model, head, hidden: mx.array, tokens: mx.array, buffers, at: mx.array):
+    """`head_states` for rows at their own head positions at [B]."""
+    z = head.combine(hidden, model.embed(tokens))
+    z, buffers, _, _ = head.layers[0].step_rows(z, buffers, at)
+    return z, head.norm(z), buffers
+
+
+def _by_position(strategy) -> bool:
+    """Whether the strategy draws each token's randomness from (seed, position) (coupled sampling, where it
+    exists): its keys are then made from the row's positions, never split per step."""
+    return getattr(strategy, "by_position", False)
+
+
+def _row_keys(strategies, keys: mx.array):
+    """Per row (step key, draft key, accept key), split as `step` splits a single run's key."""
+    out = []
+    for b, strategy in enumerate(strategies):
+        key = keys[b]
+        per_step = strategy.random and not _by_position(strategy)
+        out.append(tuple(mx.random.split(key, 3)) if per_step else (key, key, key))
+    return out
+
+
+def _draft_keys(strategies, caps, draft_keys, offsets: mx.array) -> list:
+    """Per row, the keys of its counted drafts: by position (d_1 guesses the token after `pending`, at the
+    row's offset + 1), or split off the step's draft key as a single run splits it."""
+    out = []
+    for b, (strategy, cap, key) in enumerate(zip(strategies, caps, draft_keys)):
+        if _by_position(strategy):
+            out.append(strategy.keys(key, offsets[b] + 1, cap))
+        else:
+            out.append(mx.random.split(key, cap) if strategy.random and cap else [key] * cap)
+    return out
+
+
+def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_keys, chain: str = "post"):
+    """`draft` for a batch: k drafts per row [B, k] (row b's first caps[b] picked by its strategy with its
+    keys, the others argmaxes nobody counts), their distributions per row, which came from finite logits
+    [B, k], and the head's new buffers and offsets."""
+    hidden, next_tokens, keep = last
+    last_kept = (keep - 1)[:, None, None]
+    offset = state["head_offset"] + keep
+    z_pre, z, buffers = head_states_rows(model, head, hidden, next_tokens, state["head"], state["head_offset"])
+    z_pre, z = (mx.take_along_axis(s, last_kept, axis=1) for s in (z_pre, z))
+    keys = _draft_keys(strategies, caps, draft_keys, state["offset"])
+    drafts, dists, finite = [], [[] for _ in strategies], []
+    for i in range(k):
+        logits = model.logits(z)[:, -1].astype(mx.float32)  # [B, V]
+        picked = []
+        for b, strategy in enumerate(strategies):
+            if i < caps[b]:
+                d, dist = strategy.pick(logits[b:b + 1], keys[b][i])
+                dists[b].append(dist)
+            else:
+                d = mx.argmax(logits[b:b + 1], axis=-1).astype(mx.int32)
+            picked.append(d)
+        d = mx.concatenate(picked)
+        drafts.append(d)
+        finite.append(mx.isfinite(logits).all(axis=-1))
+        if i + 1 < k:
+            fed = z if chain == "post" else z_pre
+            z_pre, z, buffers = head_states_rows(model, head, fed, d.reshape(-1, 1), buffers, offset + i)
+    return mx.stack(drafts, axis=1), dists, mx.stack(finite, axis=1), buffers, offset
+
+
+def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, last, keys: mx.array,
+              chain: str = "post", follows: bool = False):
+    """`step` for a batch of rows: (new state, what the next step needs, the report [B, 4 + 2k] (per row
+    [pending, d_1..d_k, next, keep, finite, draft_finite_1..k]), experts per layer, new keys [B, 2])."""
+    split = _row_keys(strategies, keys)
+    _, next_tokens, keep = last
+    pending = mx.take_along_axis(next_tokens, (keep - 1)[:, None], axis=1)  # [B, 1]
+    new_state, dists = {}, [[] for _ in strategies]
+    if k:
+        drafts, dists, drafts_finite, new_state["head"], new_state["head_offset"] = draft_rows(
+            model, head, k, strategies, caps, state, last, [s[1] for s in split], chain)
+        tokens = mx.concatenate([pending, drafts], axis=1)
+    else:
+        tokens, drafts_finite = pending, mx.zeros((pending.shape[0], 0), mx.bool_)
+        if follows:
+            hidden_in, after_in, keep_in = last
+            _, _, new_state["head"] = head_states_rows(model, head, hidden_in, after_in, state["head"],
+                                                       state["head_offset"])
+            new_state["head_offset"] = state["head_offset"] + keep_in
+    pre, post, experts, layers = trunk_step_rows(model, tokens, state, record=k > 0)
+    logits = model.logits(post).astype(mx.float32)  # [B, k + 1, V]
+    accepted, next_token = [], []
+    for b, strategy in enumerate(strategies):
+        where = {"first": state["offset"][b] + 1} if _by_position(strategy) else {}
+        a, t = strategy.accept(tokens[b, 1:1 + caps[b]], dists[b], logits[b, :caps[b] + 1], split[b][2], **where)
+        accepted.append(a.reshape(1))
+        next_token.append(t.reshape(1))
+    accepted, next_token = mx.concatenate(accepted), mx.concatenate(next_token)
+    keep = accepted + 1
+    new_state["layers"] = keep_prefix_rows(model, layers, keep) if k else layers
+    new_state["offset"] = state["offset"] + keep
+    n, nxt = k + 1, next_token[:, None]
+    after = mx.concatenate([tokens[:, 1:], nxt], axis=1)
+    after = mx.where(mx.arange(n)[None] == (keep - 1)[:, None], nxt, after)
+    finite = mx.cumprod(mx.isfinite(logits).all(axis=-1).astype(mx.int32), axis=1).sum(axis=1)
+    report = mx.concatenate([tokens, nxt, keep[:, None].astype(mx.int32), finite[:, None].astype(mx.int32),
+                             drafts_finite.astype(mx.int32)], axis=1)
+    new_keys = mx.stack([s[0] for s in split])
+    return new_state, (post if hidden == "post" else pre, after, keep), report, experts, new_keys

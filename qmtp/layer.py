@@ -56,6 +56,18 @@ class DecoderLayer(nn.Module):
         out, indices, logits = self.mlp.forward(self.post_attention_layernorm(h))
         return h + out, state, indices, logits
 
+    def step_rows(self, x: mx.array, state, offsets: mx.array, record: bool = False):
+        """`step` for a batch whose rows sit at their own positions (offsets [B]): attention reads and writes
+        each row at its own offset (`GatedAttention.step_rows`); DeltaNet's state is per row already."""
+        normed = self.input_layernorm(x)
+        if self.kind == LINEAR:
+            mixed, state = self.linear_attn.step(normed, state, record)
+        else:
+            mixed, state = self.self_attn.step_rows(normed, state, offsets)
+        h = x + mixed
+        out, indices, logits = self.mlp.forward(self.post_attention_layernorm(h))
+        return h + out, state, indices, logits
+
     def empty_state(self, batch: int, capacity: int, dtype):
         """The mixer's state with no past (KV buffers of `capacity` positions for attention)."""
         if self.kind == LINEAR:

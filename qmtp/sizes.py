@@ -272,3 +272,61 @@ def fewest_ranks(report: SizeReport, machine_bytes: float, ranks=(1, 2, 4, 8), u
     is what `usable` < 1 leaves them. N must divide the number of experts (`parallel.ExpertShard`); the
     family's 256 and 512 are divided by 1, 2, 4 and 8."""
     return next((n for n in ranks if per_rank_bytes(report, n) <= usable * machine_bytes), None)
+
+
+# ---- memory per decoding row, and the largest batch that fits ---------------------------------------------
+RUNTIME_BYTES = 3 * 10**9  # assumed: the Python process, MLX's kernels and buffer cache, activations of a pass
+OS_SHARE = 0.25  # assumed: the share of a machine's memory the operating system and other programs keep
+
+
+@dataclass
+class RowMemory:
+    """Bytes one decoding row holds (`qmtp.continuous`): the trunk's KV buffers at `context` positions, the
+    head's, the linear-attention state (conv inputs and S per layer) and, during a verify pass, one snapshot of
+    that state per position of the pass (the roll back keeps the row's last kept one)."""
+
+    context: int
+    n_draft: int
+    kv_bytes: int
+    head_kv_bytes: int
+    linear_bytes: int
+    snapshot_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.head_kv_bytes + self.linear_bytes + self.snapshot_bytes
+
+
+def row_memory(config: ModelConfig, context: int = 4096, n_draft: int = 5, dtype_bytes: int = 2) -> RowMemory:
+    """One row's decoding state for `config` at `context` positions and passes of `n_draft` tokens (KV and conv
+    inputs in the compute dtype, `dtype_bytes`; S in float32, as `GatedDeltaNet.empty_state` keeps it)."""
+    from .config import LINEAR
+
+    kinds = config.layer_types if getattr(config, "layer_types", None) else []
+    linear = sum(kind == LINEAR for kind in kinds)
+    attention = config.num_hidden_layers - linear
+    per_position = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes  # keys and values
+    conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim * dtype_bytes
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    head_layers = getattr(config, "mtp_num_hidden_layers", 1) or 1
+    return RowMemory(context, n_draft, kv_bytes=attention * per_position * context,
+                     head_kv_bytes=head_layers * per_position * context, linear_bytes=linear * (conv + recurrent),
+                     snapshot_bytes=(n_draft if n_draft > 1 else 0) * linear * (conv + recurrent))
+
+
+def largest_batch(config: ModelConfig, machine_bytes: float, context: int = 4096, n_draft: int = 5, bits: int = 4,
+                  runtime_bytes: int = RUNTIME_BYTES, os_share: float = OS_SHARE) -> int:
+    """The most rows that fit beside the `bits`-bit model (its head in bf16) and the runtime in what the operating
+    system leaves of `machine_bytes` (0: not even the model fits)."""
+    weights = sizes(config, bits=bits).total_bytes
+    free = machine_bytes * (1 - os_share) - weights - runtime_bytes
+    return max(0, int(free // row_memory(config, context, n_draft).total_bytes))
+
+
+def batch_fits(config: ModelConfig, machines_gb=(24, 64, 128), context: int = 4096, n_draft: int = 5,
+               bits: int = 4) -> list[dict]:
+    """Per machine size: the weights, one row's memory and the largest batch (`largest_batch`)."""
+    row = row_memory(config, context, n_draft)
+    weights = sizes(config, bits=bits).total_bytes
+    return [{"machine_GB": gb, "weights_GB": weights / 1e9, "row_MB": row.total_bytes / 1e6,
+             "largest_batch": largest_batch(config, gb * 1e9, context, n_draft, bits)} for gb in machines_gb]

@@ -1,0 +1,198 @@
+"""`bench batch`: batched decoding measured side by side in one run, batch sizes by widths.
+
+For every width (n_draft 1..5, "auto") and batch size B, B prompts of different lengths decode together
+(`qmtp.generate_batch`, greedy, end ids ignored so every row runs its `max_tokens`): the batch's aggregate
+tokens per second (all rows' tokens over the batch's wall time, prefill included), each row's own tokens per
+second after its first token, acceptance and time to first token; beside them the same B prompts run one after
+another by `qmtp.generate` (plain), and, where mlx-lm offers it, mlx-lm's `batch_generate` on the same file.
+The configurations are interleaved round by round (a shared machine drifts) and each cell keeps its median.
+
+Goals (issue 35): 4 rows plain >= 2.5x four single runs; 4 rows drafting (the best width) >= 1.4x 4 rows
+plain; where one is missed the report carries the batch's per-phase profile (prefill, the step's device work
+and sync, the host's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ..options import Engine
+from ..speculative import PhaseTimer
+
+TEXTS = [
+    "The history of the city begins",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):",
+    "Water boils at a temperature that depends on",
+    "The best way to learn a new language is",
+    "In the beginning of the twentieth century, the railway",
+    "A recipe for bread needs flour, water,",
+    "The committee met on Tuesday to discuss",
+]
+GOALS = {"plain_batch_over_singles": 2.5, "drafting_over_plain_batch": 1.4}
+
+
+def prompts_for(model, count: int) -> list[list[int]]:
+    """`count` prompts of different lengths (token ids)."""
+    if model.tokenizer is not None:
+        return [model.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(count)]
+    return [[(7 * i + j) % model.config.vocab_size for j in range(3 + 2 * i)] for i in range(count)]
+
+
+def _batch_cell(model, prompts, n_draft, max_tokens: int) -> dict:
+    from ..batch import generate_batch
+
+    timer = PhaseTimer()
+    result = generate_batch(model, prompts, max_tokens=max_tokens, n_draft=n_draft, stop_at_eos=False,
+                            engine=Engine(track_experts=False, timer=timer))
+    return {"tokens_per_second": result.totals["tokens_per_second"], "seconds": result.totals["seconds"],
+            "steps": result.totals["steps"],
+            "row_tokens_per_second": [g.stats.tokens_per_second for g in result],
+            "acceptance": [g.stats.acceptance_rate for g in result],
+            "first_token_seconds": [g.stats.first_token_seconds for g in result],
+            "phases": dict(timer.seconds)}
+
+
+def _singles_cell(model, prompts, max_tokens: int) -> dict:
+    from ..speculative import generate
+
+    started, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += len(generate(model, prompt, max_tokens=max_tokens, stop_at_eos=False,
+                               engine=Engine(track_experts=False)).tokens)
+    seconds = time.perf_counter() - started
+    return {"tokens_per_second": tokens / seconds, "seconds": seconds}
+
+
+def _mlx_lm_cell(peer, prompts, max_tokens: int) -> dict:
+    from mlx_lm.generate import batch_generate
+
+    model, tokenizer = peer
+    started = time.perf_counter()
+    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(t) for t in getattr(response, "token_ids", None) or response.texts)
+    return {"tokens_per_second": tokens / seconds, "seconds": seconds}
+
+
+def _mlx_lm_peer(model):
+    """mlx-lm's model and tokenizer for the same file, or None (no batch_generate, or no file)."""
+    try:
+        from mlx_lm.generate import batch_generate  # noqa: F401
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        from .bench import mlx_lm_model
+    except ImportError:
+        return None
+    if not model.path:
+        return None
+    return mlx_lm_model(model.path), load_tokenizer(Path(model.path))
+
+
+def _median(cells: list[dict]) -> dict:
+    """Per field, the median over rounds (lists element by element; phases of the median round)."""
+    middle = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
+    out = dict(middle)
+    out["tokens_per_second"] = statistics.median(c["tokens_per_second"] for c in cells)
+    return out
+
+
+def run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5, "auto"), max_tokens: int = 64, rounds: int = 3,
+        peers: bool = True, progress=None) -> dict:
+    """Every (width, batch size) cell, the singles and mlx-lm's batch per size, interleaved over `rounds` after
+    one warm-up round (compiling every trace); the medians and the goals."""
+    peer = _mlx_lm_peer(model) if peers else None
+    cells: dict[tuple, list] = {}
+    for round_ in range(rounds + 1):
+        for size in batches:
+            prompts = prompts_for(model, size)
+            plan = [(("batch", str(n), size), lambda n=n: _batch_cell(model, prompts, n, max_tokens))
+                    for n in n_drafts]
+            plan.append((("singles", "1", size), lambda: _singles_cell(model, prompts, max_tokens)))
+            if peer is not None:
+                plan.append((("mlx-lm", "1", size), lambda: _mlx_lm_cell(peer, prompts, max_tokens)))
+            for name, cell in plan:
+                result = cell()
+                if round_:  # the first round compiles
+                    cells.setdefault(name, []).append(result)
+                if progress:
+                    progress(f"round {round_} {name}: {result['tokens_per_second']:.1f} tok/s")
+    rows = [{"engine": e, "n_draft": n, "batch": b, **_median(c)} for (e, n, b), c in cells.items()]
+    return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "goals": goals(rows)}
+
+
+def _speed(rows, engine, n_draft, batch):
+    found = [r["tokens_per_second"] for r in rows if (r["engine"], r["n_draft"], r["batch"]) == (engine, n_draft, batch)]
+    return found[0] if found else None
+
+
+def goals(rows: list[dict], size: int = 4) -> dict:
+    """The issue's goals at `size` rows: plain batch over singles, best drafting width over plain batch (and
+    qmtp's plain batch over mlx-lm's where measured), each with its target and whether it is met."""
+    plain, singles = _speed(rows, "batch", "1", size), _speed(rows, "singles", "1", size)
+    drafting = [(r["tokens_per_second"], r["n_draft"]) for r in rows
+                if r["engine"] == "batch" and r["batch"] == size and r["n_draft"] != "1"]
+    out = {}
+    if plain and singles:
+        out["plain_batch_over_singles"] = {"ratio": plain / singles, "goal": GOALS["plain_batch_over_singles"]}
+    if plain and drafting:
+        best, width = max(drafting)
+        out["drafting_over_plain_batch"] = {"ratio": best / plain, "goal": GOALS["drafting_over_plain_batch"],
+                                            "n_draft": width}
+    theirs = _speed(rows, "mlx-lm", "1", size)
+    if plain and theirs:
+        out["plain_batch_over_mlx_lm"] = {"ratio": plain / theirs, "goal": 1.0}
+    for goal in out.values():
+        goal["met"] = goal["ratio"] >= goal["goal"]
+    return out
+
+
+def table(report: dict) -> str:
+    """The report as a text table, then the goals (with the per-phase profile of the cells they compare)."""
+    lines = [f"{'engine':8} {'n_draft':>7} {'batch':>5} {'tok/s':>8} {'per row tok/s':>28} {'acceptance':>24} "
+             f"{'ttft s':>22}"]
+    for r in report["rows"]:
+        def fmt(values, spec):
+            return " ".join(format(v, spec) for v in values) if values else "-"
+        lines.append(f"{r['engine']:8} {r['n_draft']:>7} {r['batch']:>5} {r['tokens_per_second']:8.1f} "
+                     f"{fmt(r.get('row_tokens_per_second'), '.1f'):>28} {fmt(r.get('acceptance'), '.2f'):>24} "
+                     f"{fmt(r.get('first_token_seconds'), '.2f'):>22}")
+    for name, goal in report["goals"].items():
+        verdict = "met" if goal["met"] else f"missed by {goal['goal'] / goal['ratio']:.2f}x"
+        lines.append(f"{name}: {goal['ratio']:.2f}x (goal {goal['goal']}x) {verdict}")
+    for r in report["rows"]:
+        if r["engine"] == "batch" and r["batch"] == 4 and r.get("phases"):
+            phases = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(r["phases"].items()))
+            lines.append(f"profile batch 4 n_draft {r['n_draft']}: {phases} of {r['seconds']:.2f}s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m qmtp.book.bench_batch [MODEL] --batch 1,2,4,8 --n-draft 1,2,3,4,5,auto [--json PATH]"""
+    from ..loading import load
+
+    parser = argparse.ArgumentParser(prog="qmtp bench batch", description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", default=None, help="a checkpoint folder (default: the bundled model)")
+    parser.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated")
+    parser.add_argument("--n-draft", default="1,2,3,4,5,auto", help="widths, comma-separated (auto allowed)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (medians kept)")
+    parser.add_argument("--no-peers", action="store_true", help="leave mlx-lm's batch_generate out")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    n_drafts = [n if n == "auto" else int(n) for n in args.n_draft.split(",")]
+    report = run(load(args.model), batches, n_drafts, args.max_tokens, args.rounds, not args.no_peers,
+                 progress=lambda line: print(line, flush=True))
+    print(table(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,617 @@
+"""A continuous batch: requests join at a step boundary, decode together, and leave when done.
+
+The decoding state of `qmtp.decoding` with a leading batch axis (`decoding.step_rows`): each row has its own
+offset, KV mask, acceptance, drafts cap and key, and its linear-attention state is rolled back to its own last
+kept position. A request joins by a prefill of its own (batch 1, so no padding enters its linear-attention or
+conv state), run in chunks between the running rows' steps so they are not stalled, and its state is then
+inserted as a new row. A finished row is removed from the state at once: it costs no more work.
+
+One width per step for the batch: the widest fixed n_draft of its rows, or, with an "auto" row, a
+`DraftPlanner` fed the batch's own step costs (per batch size) and every drafting row's acceptance. A row's
+n_draft caps the drafts it counts within that width, so its tokens are those of its own `qmtp.decode` run.
+
+Only the engine thread calls MLX (`step`, `run`); `submit` and `Request.cancel` may come from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+
+import mlx.core as mx
+import numpy as np
+
+from . import adaptive, chat, decoding
+from .adaptive import DraftPlanner
+from .errors import UsageError
+from .model import COMPILE, Model, release_at_thread_exit
+from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
+from .speculative import Generation, Stats, Step, _end_set, _untimed, _find_stop, _nonfinite, _output, _validate
+
+PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
+CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
+MIN_CHUNK, MAX_CHUNK = 1, 1024
+IDLE_CHUNK = 1024  # with no row running, nobody waits: a prompt is prefilled in big pieces
+
+
+class Request:
+    """One row's life: its prompt and settings, what it produced so far, and how it ended."""
+
+    def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int]):
+        self.prompt_tokens = list(prompt_tokens)
+        self.settings = settings
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        widest = settings.widest
+        self.stats = Stats(n_draft=settings.n_draft, prompt_tokens=len(prompt_tokens),
+                           prefilled_tokens=len(prompt_tokens), drafted=[0] * (widest - 1),
+                           accepted=[0] * (widest - 1))
+        self.cached_tokens = 0
+        self.done = threading.Event()
+        self.on_tokens = on_tokens
+        self.strategy = strategy
+        self.eos = eos
+        self.submitted = time.perf_counter()
+        self._cancelled = False
+        self._out: list[int] = []  # the tokens decoded, cut after a stop string
+        self._decoded: list[int] = []  # every token decoded (past an end or a stop too, until the row leaves)
+        self._streamed = 0
+        self._searched = 0  # where the next search for a stop string starts in the text
+        self._first_at = None
+
+    def cancel(self) -> None:
+        """The row leaves at the next step boundary (thread-safe)."""
+        self._cancelled = True
+
+    @property
+    def drafts(self) -> bool:
+        return self.settings.n_draft != 1
+
+    def cap(self, width: int) -> int:
+        """The drafts this row counts in a step of `width` tokens."""
+        n = width if self.settings.n_draft == "auto" else min(width, self.settings.n_draft)
+        return n - 1
+
+    def generation(self) -> Generation:
+        """What `generate` would return for this row (once it is done)."""
+        if not self.done.is_set():
+            raise UsageError("this request is still running: wait for request.done first")
+        return Generation(text=self.text, tokens=list(self.tokens), prompt_tokens=self.prompt_tokens,
+                          stats=self.stats, finish_reason=self.finish_reason)
+
+    def _take(self, model: Model, emitted: list[int]) -> bool:
+        """Add a step's tokens (stream them, cut at an end id, a stop string or max_tokens); whether the row is
+        done."""
+        if self._first_at is None:
+            self._first_at = time.perf_counter()
+            self.stats.first_token_seconds = self._first_at - self.submitted
+        self._out.extend(emitted)
+        self._decoded.extend(emitted)
+        max_tokens, stops = self.settings.max_tokens, self.settings.stop
+        stopped = bool(stops) and self._at_stop(model)
+        visible = _output(self._out, max_tokens, self.eos)
+        self.tokens = visible
+        if model.tokenizer is not None:
+            text = model.tokenizer.decode([t for t in visible if t not in self.eos])
+            self.text = text[:_find_stop(text, stops)] if stopped else text
+        if self.on_tokens is not None and len(visible) > self._streamed:
+            self.on_tokens(visible[self._streamed:])
+            self._streamed = len(visible)
+        ended = len(self._out) >= max_tokens or any(t in self.eos for t in emitted)
+        if stopped or ended:
+            self.finish_reason = "stop" if stopped else "end" if visible and visible[-1] in self.eos else "length"
+        return stopped or ended
+
+    def _at_stop(self, model: Model) -> bool:
+        """Whether the text now holds a stop string; if so, the tokens are cut after the one that completed it."""
+        stops = self.settings.stop
+        visible = _output(self._out, self.settings.max_tokens, self.eos)
+        text = model.tokenizer.decode([t for t in visible if t not in self.eos])
+        if _find_stop(text, stops, self._searched) < 0:
+            self._searched = max(0, len(text) - max(map(len, stops)) - 4)
+            return False
+        for n in range(1, len(visible) + 1):
+            if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in self.eos]), stops) >= 0:
+                del self._out[n:]
+                return True
+        raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
+
+    def _finish(self, reason: str | None = None, error: Exception | None = None) -> None:
+        if reason is not None:
+            self.finish_reason = reason
+        self.error = error
+        self.stats.generated = len(self.tokens)
+        if self._first_at is not None:
+            self.stats.decode_seconds = time.perf_counter() - self._first_at
+        self.done.set()
+
+
+def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk,
+                 resume: _Held | None = None):
+    """A joining prompt through the trunk alone (batch 1), `chunk()` tokens at a time, yielding between chunks
+    (and the head over its positions but the last, when it drafts); from `resume`'s state when given (only the
+    tokens after the ones it holds are run). Returns (state, the trunk state at the last position [1, 1, H],
+    the first token, whether its logits were finite)."""
+    state, at, length = _resumed(model, head, tokens, capacity, resume), 0, len(tokens)
+    at = len(resume.ids) if resume is not None else 0
+    while at < length:
+        end = min(length, at + chunk())
+        pre, post, _, state["layers"] = decoding.trunk_step(model, mx.array([tokens[at:end]], mx.int32), state,
+                                                            record=False)
+        state["offset"] = mx.array(end, mx.int32)
+        h = post if hidden == "post" else pre
+        read = min(end, length - 1) - at  # the head reads position j with token j + 1
+        if head is not None and read > 0:
+            _, state["head"] = decoding.head_step(model, head, h[:, :read],
+                                                  mx.array([tokens[at + 1:at + 1 + read]], mx.int32),
+                                                  state["head"], mx.array(at, mx.int32))
+        at = end
+        if at < length:
+            mx.eval(state)
+            yield at
+    if head is not None:
+        state["head_offset"] = mx.array(length - 1, mx.int32)
+    logits = model.logits(post[:, -1:])[0].astype(mx.float32)
+    if getattr(strategy, "by_position", False):  # coupled sampling: the first token's key is its position's
+        key = strategy.key_at(key, length)
+    first, _ = strategy.pick(logits, key)
+    finite = mx.isfinite(logits).all()
+    mx.eval(first, finite, state)
+    return state, h[:, -1:], int(first.item()), bool(finite.item())
+
+
+class _Held:
+    """A finished row's state, kept for a later prompt that continues its ids (`ContinuousBatch`'s cache): the
+    ids its trunk state holds, the state (batch 1), the last pass (what its head has not read yet)."""
+
+    def __init__(self, ids: tuple[int, ...], state: dict, last, head: bool):
+        self.ids, self.state, self.last, self.head = ids, state, last, head
+
+
+def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held | None) -> dict:
+    """The state a prefill starts from: empty, or a held row's, grown to `capacity`, its head (when drafting)
+    having read the held row's last pass, the prompt's next token after its last position."""
+    if resume is None:
+        return decoding.empty_state(model, capacity, head=head is not None)
+    state = dict(resume.state)
+    if decoding.capacity_of(model, state) < capacity:
+        state = decoding.grow_state(model, state, capacity)
+    if head is None:
+        state.pop("head", None)
+        state.pop("head_offset", None)
+        return state
+    hidden, after, keep = resume.last
+    keep = int(keep.item())
+    at = len(resume.ids)
+    read = mx.concatenate([after[:, :keep - 1], mx.array([[tokens[at]]], mx.int32)], axis=1)
+    _, state["head"] = decoding.head_step(model, head, hidden[:, :keep], read, state["head"], state["head_offset"])
+    state["head_offset"] = mx.array(at, mx.int32)
+    return state
+
+
+def _rows_of(tree, index: mx.array):
+    """Every array of a batch state (or `last`) cut to the rows `index`."""
+    return _map(lambda a: mx.take(a, index, axis=0), tree)
+
+
+def _map(function, tree):
+    if isinstance(tree, dict):
+        return {name: _map(function, value) for name, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(function, value) for value in tree)
+    return function(tree)
+
+
+def _pad_axis(a: mx.array, axis: int, size: int) -> mx.array:
+    if a.shape[axis] >= size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return mx.pad(a, pad)
+
+
+def _as_row(model, state: dict, capacity: int, head) -> dict:
+    """A batch-1 state as one row of a batch: offsets as [1], KV buffers `capacity` long, the head's buffers
+    present exactly when the batch drafts with `head` (empty ones for a row that does not: it counts no
+    draft)."""
+    row = decoding.grow_state(model, state, capacity) if decoding.capacity_of(model, state) < capacity else state
+    row = {**row, "offset": row["offset"].reshape(1)}
+    if head is not None and "head" not in row:
+        row["head"] = head.layers[0].empty_state(1, capacity, model.dtype)
+        row["head_offset"] = row["offset"] - 1
+    elif head is not None:
+        row["head_offset"] = row["head_offset"].reshape(1)
+    elif "head" in row:
+        del row["head"], row["head_offset"]
+    return row
+
+
+def _joined(a, b):
+    return _map2(lambda x, y: mx.concatenate([x, y], axis=0), a, b)
+
+
+def _map2(function, a, b):
+    if isinstance(a, dict):
+        return {name: _map2(function, a[name], b[name]) for name in a}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map2(function, x, y) for x, y in zip(a, b))
+    return function(a, b)
+
+
+class ChunkCosts:
+    """A prefill chunk's seconds as a fixed part and a part per token, fitted to the last chunks (least squares);
+    the chunk sizes it proposes vary a little around the fit, so that the fit sees more than one size."""
+
+    def __init__(self, keep: int = 32):
+        self.seen: deque[tuple[int, float]] = deque(maxlen=keep)
+        self.turn = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seen.append((tokens, seconds))
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """About how many tokens one chunk runs in `seconds` (None before any chunk was timed)."""
+        if not self.seen:
+            return None
+        sizes = np.array([n for n, _ in self.seen], float)
+        times = np.array([t for _, t in self.seen])
+        if len(self.seen) >= 4 and sizes.std() > 0:
+            per_token, fixed = np.polyfit(sizes, times, 1)
+            per_token, fixed = max(per_token, 1e-7), max(fixed, 0.0)
+        else:  # one size seen: all of its cost counted per token (the smaller, safer guess)
+            per_token, fixed = times.sum() / sizes.sum(), 0.0
+        self.turn += 1
+        spread = (0.75, 1.25)[self.turn % 2]
+        return int(spread * max(seconds - fixed, 0.0) / per_token)
+
+
+class _Joining:
+    """A request being prefilled: its prefill generator, the tokens done, the seconds spent, its seed's key."""
+
+    def __init__(self, request: Request, prefill, key: mx.array):
+        self.request, self.prefill, self.key = request, prefill, key
+        self.done, self.seconds = 0, 0.0
+
+
+class ContinuousBatch:
+    """Rows decoding together; requests join at step boundaries (`submit`, `step`, `run`).
+
+    max_batch: rows decoding at once (more requests wait). cache_entries: finished rows' states kept for a
+    later request whose prompt continues one of them (`qmtp.continuous` docs: a conversation's next turn),
+    the least recently used evicted first."""
+
+    def __init__(self, model: Model, max_batch: int = 8, engine: Engine = DEFAULT_ENGINE, cache_entries: int = 16):
+        if not isinstance(model, Model):
+            raise UsageError(f"model: give a qmtp Model, not {type(model).__name__}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise UsageError(f"max_batch={max_batch!r:.40} must be an integer >= 1")
+        if not isinstance(engine, Engine):
+            raise UsageError(f"engine: give a qmtp.Engine, not {type(engine).__name__}")
+        if engine.head_cache != "keep" or engine.rollback != "record":
+            raise UsageError("a batch drafts with head_cache='keep' and rollback='record' only")
+        self.model, self.max_batch, self.engine = model, max_batch, engine
+        self._timer = engine.timer or _untimed
+        self.drafter = engine.drafter(model) if model.mtp is not None or engine.head is not None else None
+        if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
+            raise UsageError(f"cache_entries={cache_entries!r:.40} must be an integer >= 0")
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[tuple[int, ...], _Held] = OrderedDict()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queue: deque[Request] = deque()
+        self._joining: list = []  # [request, prefill generator, seconds spent]
+        self._rows: list[Request] = []
+        self._state = self._last = self._keys = None
+        self._capacity = 0
+        # step costs per batch size, kept with the model (as `generate`'s are): a later batch starts from them
+        self._costs: dict[int, adaptive.StepCosts] = model.__dict__.setdefault(
+            "_batch_step_costs", {}).setdefault((id(self.drafter), engine.hidden, engine.chain), {})
+        self._planner = None
+        self._step_seconds = None  # the last step's time: what a prefill chunk may take
+        self._chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
+        self._budget = None  # prefill tokens this step may still run
+        self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
+                         "generated": 0, "prefilled_tokens": 0}
+
+    @property
+    def active(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue) + len(self._joining)
+
+    def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None) -> Request:
+        """Check the request now (a UsageError naming what is wrong) and queue it; thread-safe."""
+        request = self.check(prompt_tokens, settings, on_tokens)
+        with self._lock:
+            self._queue.append(request)
+        self._wake.set()
+        return request
+
+    def enqueue(self, requests: list[Request]) -> None:
+        """Queue requests made by `check` (in order)."""
+        with self._lock:
+            self._queue.extend(requests)
+        self._wake.set()
+
+    def check(self, prompt_tokens, settings: Settings, on_tokens=None) -> Request:
+        """The request for a prompt and settings, every check done (nothing queued)."""
+        if not isinstance(settings, Settings):
+            raise UsageError(f"settings: give a qmtp.Settings (Settings.of(...)), not {type(settings).__name__}")
+        if on_tokens is not None and not callable(on_tokens):
+            raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
+        if settings.n_draft != 1 and self.drafter is None:
+            self.model.require_head()
+        sampler = settings.check_for(self.model)
+        if sampler.penalised:
+            raise UsageError("a batch samples without penalties for now: decode a penalised row with qmtp.generate")
+        prompt_tokens = list(prompt_tokens) if not isinstance(prompt_tokens, str) else prompt_tokens
+        if isinstance(prompt_tokens, str) or not all(isinstance(t, int) for t in prompt_tokens):
+            raise UsageError("prompt_tokens: give a list of integer token ids")
+        _validate(self.model, prompt_tokens, settings)
+        eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
+        return Request(prompt_tokens, settings, on_tokens, decoding.strategy_for(sampler), _end_set(eos))
+
+    def run(self, stop: threading.Event) -> None:
+        """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""
+        release_at_thread_exit()
+        while not stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """Admit waiting requests (a chunk of one joining prompt's prefill), then one decoding step for every
+        running row. False when there is nothing to do."""
+        with self.model.lock:
+            self._leave_cancelled()
+            with self._lock:
+                while self._queue and len(self._rows) + len(self._joining) < self.max_batch:
+                    self._joining.append(self._start_prefill(self._queue.popleft()))
+            self._budget = None
+            self._budget = self._chunk()
+            while self._joining and self._budget > 0:  # short prompts join together, a long one in chunks
+                with self._timer("prefill"):
+                    self._budget -= self._prefill_chunk()
+            if self._rows:
+                self._decode_step()
+            return bool(self._rows or self._joining or self._queue)
+
+    # ---- joining ------------------------------------------------------------------------------------------
+    def _leave_cancelled(self) -> None:
+        with self._lock:
+            for request in [r for r in self._queue if r._cancelled]:
+                self._queue.remove(request)
+                request._finish("cancelled")
+        for joining in [j for j in self._joining if j.request._cancelled]:
+            self._joining.remove(joining)
+            joining.request._finish("cancelled")
+        gone = [b for b, r in enumerate(self._rows) if r._cancelled]
+        for b in gone:
+            self._rows[b]._finish("cancelled")
+        self._remove(gone)
+
+    def _chunk(self) -> int:
+        """Tokens of the next prefill chunk: what is left of this step's budget, about one decoding step's time
+        while rows run."""
+        if self._budget is not None:
+            return max(1, self._budget)
+        if not self._rows:
+            return IDLE_CHUNK
+        tokens = None if self._step_seconds is None else self._chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
+        return PREFILL_CHUNK if tokens is None else max(MIN_CHUNK, min(MAX_CHUNK, tokens))
+
+    def _start_prefill(self, request: Request) -> list:
+        settings = request.settings
+        capacity = decoding.capacity_for(len(request.prompt_tokens) + settings.max_tokens + 2 * MAX_N_DRAFT)
+        head = self.drafter if request.drafts else None
+        key = mx.random.key(settings.seed)
+        resume = self._lookup(request)
+        if resume is not None:
+            request.cached_tokens = len(resume.ids)
+            request.stats.prefilled_tokens -= len(resume.ids)
+        prefill = _prefill_row(self.model, head, request.prompt_tokens, capacity, request.strategy,
+                               self.engine.hidden, key, self._chunk, resume)
+        return _Joining(request, prefill, key)
+
+    def _prefill_chunk(self) -> int:
+        """One chunk of the first joining prompt (at most the step's budget of tokens); a prompt done joins the
+        batch. The tokens it ran."""
+        joining = self._joining[0]
+        request = joining.request
+        started = time.perf_counter()
+        try:
+            done, result = next(joining.prefill), None
+        except StopIteration as finished:
+            done, result = len(request.prompt_tokens), finished.value
+        seconds = time.perf_counter() - started
+        joining.seconds += seconds
+        self.counters["prefill_chunks"] += 1
+        ran = done - joining.done
+        if self._rows and ran > 0:
+            self._chunk_costs.observe(ran, seconds)
+        joining.done = done
+        if result is None:
+            return ran
+        self._joining.pop(0)
+        request.stats.prefill_seconds = joining.seconds
+        self.counters["prefilled_tokens"] += len(request.prompt_tokens)
+        state, h_last, first, finite = result
+        if not finite:
+            request._finish("error", _nonfinite(self.model, len(request.prompt_tokens) - 1,
+                                                request.prompt_tokens[-1], "for the prompt "))
+            return ran
+        finished = request._take(self.model, [first])
+        self.counters["generated"] += 1
+        if finished:
+            request._finish()
+        else:
+            by_position = getattr(request.strategy, "by_position", False)  # then the seed's key, never split
+            key = joining.key if by_position else mx.random.split(joining.key)[1]
+            self._insert(request, state, h_last, first, key)
+        return ran
+
+    def _insert(self, request: Request, state: dict, h_last: mx.array, first: int, key: mx.array) -> None:
+        """A prefilled request as the batch's last row."""
+        head = any(r.drafts for r in self._rows) or request.drafts
+        if self._state is not None and head and "head" not in self._state:
+            self._state = self._with_head(self._state)
+        capacity = max(self._capacity, decoding.capacity_of(self.model, state))
+        if self._state is not None and capacity > self._capacity:
+            self._state = decoding.grow_state(self.model, self._state, capacity)
+        self._capacity = capacity
+        row = _as_row(self.model, state, capacity, self.drafter if head else None)
+        width = self._last[0].shape[1] if self._last is not None else 1
+        last = (_pad_axis(h_last, 1, width), _pad_axis(mx.array([[first]], mx.int32), 1, width),
+                mx.array([1], mx.int32))
+        if self._state is None:
+            self._state, self._last, self._keys = row, last, key[None]
+        else:
+            if self._last[0].shape[1] < width:
+                self._last = (_pad_axis(self._last[0], 1, width), _pad_axis(self._last[1], 1, width), self._last[2])
+            self._state = _joined(self._state, row)
+            self._last = _joined(self._last, last)
+            self._keys = mx.concatenate([self._keys, key[None]])
+        self._rows.append(request)
+
+    def _with_head(self, state: dict) -> dict:
+        """The state with (empty) head buffers for rows that do not draft, now that one does."""
+        rows = state["offset"].shape[0]
+        capacity = decoding.capacity_of(self.model, state)
+        buffers = self.drafter.layers[0].empty_state(rows, capacity, self.model.dtype)
+        return {**state, "head": buffers, "head_offset": state["offset"] - 1}
+
+    def _remove(self, rows: list[int]) -> None:
+        """Rows that left: cut from the state (a finished row costs no more work)."""
+        if not rows:
+            return
+        kept = [b for b in range(len(self._rows)) if b not in rows]
+        self._rows = [self._rows[b] for b in kept]
+        if not kept:
+            self._state = self._last = self._keys = None
+            self._capacity = 0
+            return
+        index = mx.array(kept, mx.int32)
+        self._state, self._last, self._keys = (_rows_of(x, index) for x in (self._state, self._last, self._keys))
+        if "head" in self._state and not any(r.drafts for r in self._rows):
+            del self._state["head"], self._state["head_offset"]
+
+    # ---- decoding -----------------------------------------------------------------------------------------
+    def _width(self) -> int:
+        """This step's width: the widest fixed n_draft among the rows, or the planner's choice with an "auto"
+        row (at least that widest)."""
+        fixed = max((r.settings.n_draft for r in self._rows if r.settings.n_draft != "auto"), default=1)
+        if not any(r.settings.n_draft == "auto" for r in self._rows) or "head" not in self._state:
+            return fixed if "head" in self._state else 1
+        if self._planner is None:
+            self._planner = DraftPlanner(learned=adaptive.StepCosts())
+        self._planner.learned = self._costs.setdefault(len(self._rows), adaptive.StepCosts())
+        return max(fixed, self._planner.choose())
+
+    def _compiled(self, k: int, strategies: tuple, caps: tuple, follows: bool):
+        """`decoding.step_rows` for these rows' strategies and caps, compiled once and kept with the model."""
+        steps = self.model.__dict__.setdefault("_batch_steps", {})
+        head = self.drafter if (k or follows) else None
+        key = (id(head), k, tuple(s.key for s in strategies), caps, self.engine.hidden, self.engine.chain,
+               follows, self.engine.compiled)
+        if key not in steps:
+            engine = self.engine
+
+            def run(state, last, keys):
+                return decoding.step_rows(self.model, head, k, strategies, caps, engine.hidden, state, last, keys,
+                                          engine.chain, follows)
+
+            if COMPILE and engine.compiled:
+                implicit = [self.model.state] + ([head.state] if head is not None and head is not self.model.mtp
+                                                 else [])
+                run = mx.compile(run, inputs=implicit)
+            steps[key] = run
+        return steps[key]
+
+    def _decode_step(self) -> None:
+        width = self._width()
+        k = width - 1
+        caps = tuple(r.cap(width) for r in self._rows)
+        follows = k == 0 and "head" in self._state
+        step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows)
+        started = time.perf_counter()
+        with self._timer("step"):
+            self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
+            report = report.tolist()
+        seconds = time.perf_counter() - started
+        with self._timer("host"):
+            self._book(report, width, caps, seconds)
+
+    def _book(self, report: list, width: int, caps: tuple, seconds: float) -> None:
+        """The host's share of a step: counters, the planner, every row's tokens; finished rows leave."""
+        self._step_seconds = seconds
+        rows = len(self._rows)
+        if self._planner is not None and any(r.settings.n_draft == "auto" for r in self._rows):
+            self._planner.observe_cost(width, seconds)
+        self.counters["steps"] += 1
+        self.counters["rows_stepped"] += rows
+        self.counters["max_rows_in_a_step"] = max(self.counters["max_rows_in_a_step"], rows)
+        finished = [b for b, (request, line) in enumerate(zip(self._rows, report))
+                    if self._advance(request, line, width, caps[b])]
+        for b in finished:
+            if self._rows[b].error is None:
+                self._hold(b)
+        self._remove(finished)
+
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+    def _hold(self, b: int) -> None:
+        """Keep row b's state (it just finished) for a later prompt that continues its ids; the least recently
+        used entry goes when more than `cache_entries` are held."""
+        if self.cache_entries < 1:
+            return
+        request = self._rows[b]
+        index = mx.array([b], mx.int32)
+        state = _rows_of(self._state, index)
+        state["offset"] = state["offset"][0]
+        if "head" in state:
+            state["head_offset"] = state["head_offset"][0]
+        ids = tuple(request.prompt_tokens + request._decoded[:-1])
+        self._cache[ids] = _Held(ids, state, _rows_of(self._last, index), request.drafts)
+        self._cache.move_to_end(ids)
+        while len(self._cache) > self.cache_entries:
+            self._cache.popitem(last=False)
+
+    def _lookup(self, request: Request) -> _Held | None:
+        """The held state with the longest ids that the prompt continues (and a head when the request drafts)."""
+        prompt, best = request.prompt_tokens, None
+        for ids, held in self._cache.items():
+            if (len(ids) < len(prompt) and (best is None or len(ids) > len(best.ids))
+                    and (held.head or not request.drafts) and tuple(prompt[:len(ids)]) == ids):
+                best = held
+        if best is not None:
+            self._cache.move_to_end(best.ids)
+        return best
+
+    def _advance(self, request: Request, line: list[int], width: int, cap: int) -> bool:
+        """A row's share of a step's report: its tokens and statistics; whether it is done."""
+        n = width
+        tokens, next_token, keep, finite = line[:n], line[n], line[n + 1], line[n + 2]
+        if finite < keep:  # a kept token was chosen from NaN or Inf logits: this row ends, the others go on
+            position = len(request.prompt_tokens) + len(request._out) - 1 + finite
+            request._finish("error", _nonfinite(self.model, position, tokens[finite], drafts=tokens[1:1 + cap]))
+            return True
+        drafts = tokens[1:1 + cap]
+        proposed = line[n + 3:][: min(keep, cap)]
+        stats = request.stats
+        for i in range(min(keep, cap)):
+            stats.drafted[i] += 1
+        for i in range(keep - 1):
+            stats.accepted[i] += 1
+        if self._planner is not None and cap and request.settings.n_draft == "auto":
+            self._planner.observe(cap, keep - 1)
+        emitted = tokens[1:keep] + [next_token]
+        stats.steps.append(Step(drafts, keep - 1, emitted, proposed.count(0)))
+        self.counters["generated"] += len(emitted)
+        if request._take(self.model, emitted):
+            request._finish()
+            return True
+        return False

@@ -1,0 +1,121 @@
+"""Batched decoding is exact per row: a greedy row is its own `generate` run token for token, a sampled row keeps
+the trunk's law with its own seed, and bad input is refused naming the row before any work."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import Sampling
+from qmtp.errors import UsageError
+from test_speculative import chi_square_p_value, model, small_vocab_model  # noqa: F401 (fixtures)
+from test_sampling import rejects, sequence_law
+
+PROMPTS = [[0], [1, 2], [3, 0, 1, 2, 3], [2, 2, 2, 1], [1, 3, 0, 0, 2, 1, 3, 3, 0]]
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 4, 5, "auto"])
+def test_greedy_rows_equal_their_own_runs(small_vocab_model, n_draft):
+    batch = qmtp.generate_batch(small_vocab_model, PROMPTS, max_tokens=24, n_draft=n_draft)
+    partial = 0
+    for prompt, row in zip(PROMPTS, batch):
+        assert row.tokens == qmtp.generate(small_vocab_model, prompt, max_tokens=24).tokens
+        assert row.stats.generated == len(row.tokens) == 24
+        partial += sum(0 < s.accepted < len(s.drafts) for s in row.stats.steps)
+    if n_draft in (3, 4, 5):
+        assert partial > 0, "no row ever kept part of its drafts"
+
+
+def test_greedy_rows_on_a_wider_vocabulary_with_per_row_settings(model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, rng.integers(1, 12)).tolist() for _ in range(4)]
+    widths, lengths = [1, 2, 5, "auto"], [16, 5, 12, 9]
+    batch = qmtp.generate_batch(model, prompts, max_tokens=lengths, n_draft=widths)
+    for prompt, row, n, length in zip(prompts, batch, widths, lengths):
+        assert row.tokens == qmtp.generate(model, prompt, max_tokens=length).tokens
+        assert row.stats.n_draft == n
+        assert all(len(s.drafts) <= (4 if n == "auto" else n - 1) for s in row.stats.steps)
+
+
+def test_a_finished_row_leaves_the_batch(small_vocab_model):
+    batch = qmtp.generate_batch(small_vocab_model, PROMPTS[:4], max_tokens=[2, 2, 2, 30])
+    totals = batch.totals
+    # after the three short rows end, the long one steps alone
+    assert totals["rows_stepped"] <= 3 * 2 + totals["steps"]
+    assert totals["tokens"] == 36
+
+
+def test_sampled_rows_are_their_own_seeded_runs(small_vocab_model):
+    """Each row draws with its own key, split as a single run splits it: at a fixed width the row's tokens are
+    its own run's with that seed, whatever else is in the batch."""
+    seeds = [3, 7, 11, 19]
+    batch = qmtp.generate_batch(small_vocab_model, PROMPTS[:4], max_tokens=12, n_draft=3, temperature=1.5,
+                                seed=seeds)
+    for prompt, row, seed in zip(PROMPTS, batch, seeds):
+        alone = qmtp.generate(small_vocab_model, prompt, max_tokens=12, n_draft=3, temperature=1.5, seed=seed)
+        assert row.tokens == alone.tokens
+
+
+def test_top_k_1_rows_are_greedy(model):
+    prompts = [[5, 6, 7], [1], [40, 41, 42, 43, 44, 45]]
+    batch = qmtp.generate_batch(model, prompts, max_tokens=10, n_draft=3, temperature=1.0, top_k=1, seed=[1, 2, 3])
+    for prompt, row in zip(prompts, batch):
+        assert row.tokens == qmtp.generate(model, prompt, max_tokens=10).tokens
+
+
+@pytest.mark.slow
+def test_a_sampled_row_keeps_the_trunk_law(small_vocab_model):
+    """Rows of one prompt with seeds 0..n-1, drafting two tokens a step: the continuations follow the law of
+    sampling the trunk alone (and the test can tell it from the law without the filter)."""
+    settings, other = Sampling(temperature=2.0, top_k=2), Sampling(temperature=2.0)
+    prompt, n = [1, 0, 3], 600
+    batch = qmtp.generate_batch(small_vocab_model, [prompt] * n, max_tokens=3, n_draft=3, sampling=settings,
+                                seed=list(range(n)), stop_at_eos=False, max_batch=16)
+    counts = {}
+    for row in batch:
+        counts[tuple(row.tokens)] = counts.get(tuple(row.tokens), 0) + 1
+    assert chi_square_p_value(counts, sequence_law(small_vocab_model, prompt, settings), n) > 1e-3
+    assert rejects(counts, sequence_law(small_vocab_model, prompt, other), n)
+
+
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    ([[1], []], {}, "row 1: the prompt is empty"),
+    ([[1], [2]], {"max_tokens": [3, 4, 5]}, "max_tokens: 3 values for 2 prompts"),
+    ([[1], [2]], {"n_draft": [2, 9]}, "row 1: n_draft=9 is out of range"),
+    ([[1], [2] * 5000], {}, "row 1: prompt of 5000 tokens"),
+    ([[1], [2]], {"temperature": [0, -1.0]}, "row 1: temperature=-1.0"),
+    ([], {}, "prompts: give a non-empty list"),
+])
+def test_bad_input_is_refused_naming_the_row(small_vocab_model, prompts, kwargs, message):
+    steps = small_vocab_model.__dict__.get("_batch_steps", {}).copy()
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        qmtp.generate_batch(small_vocab_model, prompts, **kwargs)
+    assert small_vocab_model.__dict__.get("_batch_steps", {}) == steps  # refused before any work
+
+
+def test_a_row_with_nonfinite_logits_ends_alone(tmp_path):
+    from qmtp.tiny import synthetic
+
+    config = synthetic.small_config(vocab_size=4)
+    broken = qmtp.load(synthetic.write_checkpoint(tmp_path, config, dtype="F32", seed=11))
+    table = broken.embed_tokens.weight
+    broken.embed_tokens.weight = mx.where(mx.arange(table.shape[0])[:, None] == 3, mx.nan, table)
+    prompts = [[0, 1], [1, 3, 2], [2, 1, 0]]
+    batch = qmtp.generate_batch(broken, prompts, max_tokens=6, n_draft=[1, 2, 1], stop_at_eos=False)
+    assert batch[1].finish_reason == "error" and "NaN or Inf" in str(batch.errors[1])
+    for row, error in ((batch[0], batch.errors[0]), (batch[2], batch.errors[2])):
+        if error is None:  # a row whose own tokens reach id 3 fails too, at that position
+            assert row.tokens == qmtp.generate(broken, prompts[batch.index(row)], max_tokens=6,
+                                               stop_at_eos=False).tokens
+
+
+@pytest.mark.slow
+def test_greedy_rows_equal_their_own_runs_on_the_bundled_model():
+    bundled = qmtp.load()
+    texts = ["The history of the city", "Once upon a time, in a small village by the sea, there lived",
+             "def fibonacci(n):", "Water boils at"]
+    prompts = [bundled.tokenizer.encode(t) for t in texts]
+    own = [qmtp.generate(bundled, p, max_tokens=40).tokens for p in prompts]
+    for n_draft in [1, 2, 3, 4, 5, "auto", [1, 3, 5, "auto"]]:
+        batch = qmtp.generate_batch(bundled, prompts, max_tokens=40, n_draft=n_draft)
+        assert [row.tokens for row in batch] == own, f"n_draft={n_draft}"

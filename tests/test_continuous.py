@@ -1,0 +1,114 @@
+"""The continuous batch: requests join at step boundaries and leave when done, each row its own run; cancel,
+streaming, the engine thread, chunked prefill, and a shared prefix cache whose memory stays flat."""
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import qmtp
+from qmtp import ContinuousBatch, Settings
+from qmtp import continuous
+from qmtp.errors import UsageError
+from test_speculative import model, small_vocab_model  # noqa: F401 (fixtures)
+
+
+def alone(model, prompt, settings):
+    return qmtp.decode(model, prompt, settings).tokens
+
+
+def test_requests_join_while_others_run_and_equal_their_own_runs(model):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (3, 11, 1, 7, 5)]
+    settings = [Settings.of(max_tokens=m, n_draft=n) for m, n in ((12, 1), (9, 3), (14, "auto"), (6, 5), (10, 2))]
+    batch = ContinuousBatch(model, max_batch=3)
+    requests = [batch.submit(p, s) for p, s in zip(prompts[:2], settings[:2])]
+    for _ in range(3):
+        batch.step()
+    requests += [batch.submit(p, s) for p, s in zip(prompts[2:], settings[2:])]
+    assert batch.waiting >= 2
+    while batch.step():
+        assert batch.active <= 3
+    for request, prompt, s in zip(requests, prompts, settings):
+        assert request.done.is_set() and request.finish_reason == "length"
+        assert request.tokens == alone(model, prompt, s)
+        assert request.generation().tokens == request.tokens
+    assert batch.counters["max_rows_in_a_step"] == 3
+
+
+def test_cancel_streaming_and_the_engine_thread(model):
+    batch = ContinuousBatch(model, max_batch=4)
+    stop = threading.Event()
+    engine = threading.Thread(target=batch.run, args=(stop,))
+    engine.start()
+    try:
+        streamed = []
+        kept = batch.submit([4, 5, 6], Settings.of(max_tokens=20, n_draft=3), on_tokens=streamed.extend)
+        cancelled = batch.submit([7, 8], Settings.of(max_tokens=4000))
+        cancelled.cancel()
+        assert kept.done.wait(60) and cancelled.done.wait(60)
+    finally:
+        stop.set()
+        engine.join(60)
+    assert cancelled.finish_reason == "cancelled"
+    assert streamed == kept.tokens == alone(model, [4, 5, 6], Settings.of(max_tokens=20))
+
+
+def test_a_long_prompt_joins_in_chunks_without_changing_any_row(model, monkeypatch):
+    monkeypatch.setattr(continuous, "PREFILL_CHUNK", 8)
+    rng = np.random.default_rng(2)
+    long_prompt, short = rng.integers(0, 97, 100).tolist(), [9, 8, 7]
+    batch = ContinuousBatch(model)
+    first = batch.submit(short, Settings.of(max_tokens=30, n_draft=2))
+    batch.step()
+    joining = batch.submit(long_prompt, Settings.of(max_tokens=8, n_draft=3))
+    chunks = batch.counters["prefill_chunks"]
+    while batch.step():
+        pass
+    assert batch.counters["prefill_chunks"] - chunks >= 100 // continuous.MAX_CHUNK + 2  # it took several steps
+    assert first.tokens == alone(model, short, Settings.of(max_tokens=30))
+    assert joining.tokens == alone(model, long_prompt, Settings.of(max_tokens=8))
+
+
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_a_next_turn_resumes_from_the_shared_prefix_cache(model, n_draft):
+    batch = ContinuousBatch(model, cache_entries=2)
+    settings = Settings.of(max_tokens=10, n_draft=n_draft)
+    turn = batch.submit([3, 1, 4, 1, 5], settings)
+    while batch.step():
+        pass
+    follow_up = [3, 1, 4, 1, 5] + turn.tokens + [9, 2, 6]
+    nxt = batch.submit(follow_up, settings)
+    while batch.step():
+        pass
+    assert nxt.cached_tokens == 5 + len(turn.tokens) - 1
+    assert nxt.stats.prefilled_tokens == len(follow_up) - nxt.cached_tokens
+    assert nxt.tokens == alone(model, follow_up, Settings.of(max_tokens=10))
+
+
+def test_the_prefix_cache_is_bounded_and_memory_stays_flat(small_vocab_model):
+    rng = np.random.default_rng(3)
+    batch = ContinuousBatch(small_vocab_model, max_batch=4, cache_entries=4)
+    settings = Settings.of(max_tokens=4, n_draft=2, stop_at_eos=False)
+    memory = []
+    for i in range(200):
+        batch.submit(rng.integers(0, 4, rng.integers(1, 20)).tolist(), settings)
+        if i % 4 == 3:
+            while batch.step():
+                pass
+            mx.clear_cache()
+            memory.append(mx.get_active_memory())
+        assert len(batch._cache) <= 4
+    assert max(memory[-10:]) <= 1.1 * max(memory[5:15]) + 1e6
+
+
+def test_submit_refuses_bad_requests_at_once(model):
+    batch = ContinuousBatch(model)
+    with pytest.raises(UsageError, match="the prompt is empty"):
+        batch.submit([], Settings.of())
+    with pytest.raises(UsageError, match="settings: give a qmtp.Settings"):
+        batch.submit([1], {"max_tokens": 3})
+    with pytest.raises(UsageError, match="prompt token id 500 is outside the vocabulary"):
+        batch.submit([1, 500], Settings.of())
+    assert batch.waiting == 0
