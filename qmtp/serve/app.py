@@ -1,0 +1,217 @@
+"""The ASGI application: the OpenAI API's routes over an engine with the continuous batch's interface.
+
+One thread, started with the app and stopped with it, runs `engine.run(stop)` and so owns MLX. A request is
+checked on the event loop (`protocol`), handed to the engine with `engine.submit`, and its tokens come back
+from the engine thread through `loop.call_soon_threadsafe` into an asyncio queue: the event loop never waits
+on a decoding step. A client that goes away cancels its row, which leaves the batch at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import chat
+from ..errors import UsageError
+from . import protocol
+from .protocol import ApiError, Parsed, Served, Shapes
+from .stream import TextStream, ThinkingSplit, split_reply
+
+POLL_SECONDS = 0.01  # how often a waiting request looks whether its row ended or its client left
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+class _Live:
+    """A row's tokens, handed from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.row = None
+
+    def push(self, tokens: list[int]) -> None:  # on the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
+        except RuntimeError:  # the loop is closed: nobody reads this row any more
+            if self.row is not None:
+                self.row.cancel()
+
+    async def updates(self, http_request: Request | None = None):
+        """Each step's tokens as they come, until the row is done; with `http_request`, a client that leaves
+        cancels the row (a streamed response is cancelled by sse-starlette instead)."""
+        while True:
+            try:
+                yield await asyncio.wait_for(self.queue.get(), POLL_SECONDS)
+                continue
+            except asyncio.TimeoutError:
+                pass
+            if self.row.done.is_set():
+                while not self.queue.empty():
+                    yield self.queue.get_nowait()
+                return
+            if http_request is not None and await http_request.is_disconnected():
+                self.row.cancel()
+                return
+
+
+class Server:
+    """The routes' shared state: what is served, the engine, the queue's limit, the API key."""
+
+    def __init__(self, served: Served, engine, api_key: str | None, max_queue: int):
+        self.served, self.engine, self.api_key, self.max_queue = served, engine, api_key, max_queue
+        self.eos = chat.end_ids(served.model)
+        self.started = int(time.time())
+
+    def authorise(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError("a valid API key is required: send Authorization: Bearer KEY", None, status=401,
+                           code="invalid_api_key")
+
+    async def body(self, request: Request):
+        self.authorise(request)
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ApiError(f"the request body is not JSON: {error}") from None
+
+    def submit(self, parsed: Parsed) -> _Live:
+        if self.engine.waiting >= self.max_queue:
+            raise ApiError(f"the server is busy: {self.engine.waiting} requests are already waiting (--max-queue "
+                           f"{self.max_queue}); try again later", None, status=429, kind="rate_limit_error",
+                           code="queue_full")
+        live = _Live(asyncio.get_running_loop())
+        try:
+            live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push)
+        except UsageError as error:
+            raise ApiError(str(error), "max_tokens" if "max_tokens" in str(error) or "new" in str(error)
+                           else None) from None
+        return live
+
+    async def answer(self, request: Request, parsed: Parsed):
+        live = self.submit(parsed)
+        shapes = Shapes(parsed.kind, self.served.name)
+        if parsed.stream:
+            return EventSourceResponse(self.events(live, parsed, shapes), ping=15)
+        async for _ in live.updates(request):
+            pass
+        row = live.row
+        if row.finish_reason == "cancelled":
+            return JSONResponse({}, status_code=499)  # the client left: nobody reads this
+        if row.finish_reason == "error":
+            return _error(_failed(row))
+        generation = row.generation()
+        reasoning, content = split_reply(generation.text, parsed.opened_thinking)
+        counts = protocol.usage(len(parsed.prompt_tokens), len(generation.tokens), row.cached_tokens)
+        reply = shapes.whole(reasoning if parsed.opened_thinking else None, content,
+                             protocol.finish_reason(row.finish_reason), counts)
+        return JSONResponse(reply)
+
+    async def events(self, live: _Live, parsed: Parsed, shapes: Shapes):
+        """The server-sent events of a streamed response, `[DONE]` last; a client that leaves cancels the row."""
+        row = live.row
+        text = TextStream(self.served.model.tokenizer, self.eos if parsed.settings.stop_at_eos else (),
+                          parsed.settings.stop)
+        split = ThinkingSplit(parsed.opened_thinking)
+        try:
+            if parsed.kind == "chat":
+                yield _data(shapes.chunk(role=True))
+            async for tokens in live.updates():
+                reasoning, content = split.feed(text.feed(tokens))
+                if reasoning or content:
+                    yield _data(shapes.chunk(reasoning, content))
+            if row.finish_reason == "error":
+                yield _data(_failed(row).body())
+                yield {"data": "[DONE]"}
+                return
+            generation = row.generation()
+            reasoning, content = split.feed(text.finish(generation.text))
+            held, _ = split.finish()
+            if reasoning + held or content:
+                yield _data(shapes.chunk(reasoning + held, content))
+            yield _data(shapes.chunk(finish=protocol.finish_reason(row.finish_reason)))
+            if parsed.include_usage:
+                counts = protocol.usage(len(parsed.prompt_tokens), len(generation.tokens), row.cached_tokens)
+                yield _data(shapes.usage_chunk(counts))
+            yield {"data": "[DONE]"}
+        finally:
+            if not row.done.is_set():
+                row.cancel()
+
+    def health(self) -> dict:
+        engine = self.engine
+        return {"status": "ok", "model": self.served.name, "active": engine.active, "waiting": engine.waiting,
+                "max_queue": self.max_queue, "counters": dict(engine.counters)}
+
+
+def _data(obj: dict) -> dict:
+    return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
+
+
+def _failed(row) -> ApiError:
+    error = row.error
+    return ApiError(f"the request failed: {type(error).__name__}: {error}", None, status=500, kind="server_error",
+                    code="generation_failed")
+
+
+def create_app(served: Served, engine, api_key: str | None = None, max_queue: int = 64) -> Starlette:
+    """The app serving `served` through `engine` (a `ContinuousBatch`, or `SequentialBatch`): the engine's
+    thread starts with the app and stops with it."""
+    server = Server(served, engine, api_key, max_queue)
+
+    async def chat_completions(request: Request):
+        return await server.answer(request, protocol.parse_chat(await server.body(request), served))
+
+    async def completions(request: Request):
+        return await server.answer(request, protocol.parse_completion(await server.body(request), served))
+
+    async def models(request: Request):
+        server.authorise(request)
+        entry = {"id": served.name, "object": "model", "created": server.started, "owned_by": "qmtp",
+                 "max_model_len": served.model.config.max_position_embeddings}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: Request):
+        return JSONResponse(server.health())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        stop = threading.Event()
+        thread = threading.Thread(target=engine.run, args=(stop,), name="qmtp-engine", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        ApiError: lambda request, error: _error(error),
+        HTTPException: lambda request, error: _error(ApiError(str(error.detail), None, status=error.status_code,
+                                                              code="not_found" if error.status_code == 404 else None)),
+        Exception: lambda request, error: _error(ApiError(f"internal error: {type(error).__name__}: {error}", None,
+                                                          status=500, kind="server_error")),
+    })
+    app.state.server = server
+    return app
