@@ -77,6 +77,8 @@ class SequentialBatch:
         self._used = [0.0] * cache_entries  # when each cache was last used: the oldest is replaced
         self._running: Request | None = None
         self._stopping: threading.Event | None = None
+        tokenizer = model.tokenizer
+        self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "requests": 0}
 
     @property
@@ -143,6 +145,9 @@ class SequentialBatch:
                 request._on_tokens(list(tokens))
 
         cache = self._cache_for(request.prompt_tokens)
+        turn = self._turn_start(request.prompt_tokens)
+        if turn:  # where the next turn's history parts from this prompt (its generation prompt): a snapshot
+            cache.mark(turn)
         self.counters["requests"] += 1
         try:
             generation = decode(self.model, request.prompt_tokens, request.settings, self.engine, cache, on_tokens)
@@ -153,6 +158,14 @@ class SequentialBatch:
         else:
             request.cached_tokens = generation.stats.prompt_tokens - generation.stats.prefilled_tokens
             request._finish(generation.finish_reason, generation)
+
+    def _turn_start(self, prompt_tokens: list[int]) -> int:
+        """Where a ChatML prompt's last turn (its generation prompt) starts, or 0: a chat's next turn renders
+        this reply differently (Qwen's template drops its thinking), so it shares the prompt only up to there."""
+        opener = self._opener
+        if opener is None or opener not in prompt_tokens:
+            return 0
+        return len(prompt_tokens) - 1 - prompt_tokens[::-1].index(opener)
 
     def _cache_for(self, prompt_tokens: list[int]) -> PrefixCache:
         """The cache holding the longest prefix of the prompt, else the one used longest ago."""
