@@ -28,7 +28,7 @@ import uvicorn  # noqa: E402
 import qmtp  # noqa: E402
 from qmtp.errors import NonFiniteLogitsError  # noqa: E402
 from qmtp.serve import protocol, sequential  # noqa: E402
-from qmtp.serve.main import build, parser  # noqa: E402
+from qmtp.serve.main import build, engine_class, parser  # noqa: E402
 from qmtp.serve.stream import TextStream, ThinkingSplit, split_reply  # noqa: E402
 
 N_DRAFT = 3
@@ -253,7 +253,7 @@ def test_a_prompt_longer_than_the_context_names_both_lengths(model, url):
 
 
 def test_bodies_that_are_not_requests_are_400s_and_the_client_raises(url):
-    for raw in (b"not json", b"[1, 2]", b'"text"', b"\xff\xfe"):
+    for raw in (b"not json", b"[1, 2]", b'"text"', b"\xff\xfe", b"[" * 100_000, b'{"prompt": NaN}'):
         response = httpx.post(f"{url}/v1/completions", content=raw, timeout=10)
         assert response.status_code == 400 and "error" in response.json()
     for prompt in (["a", "b"], [], 3, [[1, 2], [3]]):
@@ -317,6 +317,45 @@ def test_the_api_key_and_a_full_queue(model):
                 api.completions.create(model="tiny", prompt="Hi", max_tokens=3)
             assert time.monotonic() - started < 2
         wait_idle(base)
+
+
+def test_four_requests_sent_at_once_share_decoding_steps(model, url):
+    if engine_class() is sequential.SequentialBatch:
+        pytest.skip("the stand-in decodes one request at a time: this needs qmtp.continuous.ContinuousBatch")
+    before = health(url)["counters"]
+    api = client(url)
+
+    def one(prompt):
+        return api.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+
+    prompts = ["Once upon a time", "The old dog", "In a small town", "The moon was"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [expected(model, prompt=p, max_tokens=32).text for p in prompts]
+    after = health(url)["counters"]
+    assert after["max_rows_in_a_step"] >= 2
+    assert after["steps"] - before["steps"] < after["rows_stepped"] - before["rows_stepped"]
+
+
+class _DeadEngine:
+    active = waiting = 0
+    counters = {}
+
+    def run(self, stop):
+        raise RuntimeError("the engine fell over")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_that_stopped_is_a_503_not_a_hang(model):
+    with running(protocol_app(model, _DeadEngine())) as base:
+        time.sleep(0.1)
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_stopped"
+
+
+def protocol_app(model, engine):
+    return build(model, n_draft=N_DRAFT, engine=engine)
 
 
 # ---- the parts, without a server ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .protocol import ApiError, Parsed, Served, Shapes
 from .stream import TextStream, ThinkingSplit, split_reply
 
 POLL_SECONDS = 0.01  # how often a waiting request looks whether its row ended or its client left
+MAX_BODY_BYTES = 32 * 2**20
 
 
 def _error(error: ApiError) -> JSONResponse:
@@ -38,8 +39,8 @@ def _error(error: ApiError) -> JSONResponse:
 class _Live:
     """A row's tokens, handed from the engine thread to the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine_alive):
+        self.loop, self.queue, self.engine_alive = loop, asyncio.Queue(), engine_alive
         self.row = None
 
     def push(self, tokens: list[int]) -> None:  # on the engine thread
@@ -62,6 +63,8 @@ class _Live:
                 while not self.queue.empty():
                     yield self.queue.get_nowait()
                 return
+            if not self.engine_alive():  # the engine thread died: this row will never end
+                raise ApiError("the engine stopped", None, status=503, kind="server_error", code="engine_stopped")
             if http_request is not None and await http_request.is_disconnected():
                 self.row.cancel()
                 return
@@ -74,6 +77,7 @@ class Server:
         self.served, self.engine, self.api_key, self.max_queue = served, engine, api_key, max_queue
         self.eos = chat.end_ids(served.model)
         self.started = int(time.time())
+        self.thread: threading.Thread | None = None  # the engine's, while the app runs
 
     def authorise(self, request: Request) -> None:
         if self.api_key is None:
@@ -86,23 +90,28 @@ class Server:
 
     async def body(self, request: Request):
         self.authorise(request)
-        raw = await request.body()
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", None, status=413)
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ApiError(f"the request body is not JSON: {error}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested too deep
+            raise ApiError(f"the request body is not JSON: {str(error)[:200]}") from None
 
     def submit(self, parsed: Parsed) -> _Live:
+        if self.thread is None or not self.thread.is_alive():
+            raise ApiError("the engine is not running", None, status=503, kind="server_error", code="engine_stopped")
         if self.engine.waiting >= self.max_queue:
             raise ApiError(f"the server is busy: {self.engine.waiting} requests are already waiting (--max-queue "
                            f"{self.max_queue}); try again later", None, status=429, kind="rate_limit_error",
                            code="queue_full")
-        live = _Live(asyncio.get_running_loop())
+        live = _Live(asyncio.get_running_loop(), self.thread.is_alive)
         try:
             live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push)
-        except UsageError as error:
-            raise ApiError(str(error), "max_tokens" if "max_tokens" in str(error) or "new" in str(error)
-                           else None) from None
+        except UsageError as error:  # what the engine checks itself (protocol checked the fields before)
+            raise ApiError(str(error), None) from None
         return live
 
     async def answer(self, request: Request, parsed: Parsed):
@@ -110,9 +119,13 @@ class Server:
         shapes = Shapes(parsed.kind, self.served.name)
         if parsed.stream:
             return EventSourceResponse(self.events(live, parsed, shapes), ping=15)
-        async for _ in live.updates(request):
-            pass
         row = live.row
+        try:
+            async for _ in live.updates(request):
+                pass
+        finally:
+            if not row.done.is_set():  # the handler was cancelled (shutdown) or the client left
+                row.cancel()
         if row.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # the client left: nobody reads this
         if row.finish_reason == "error":
@@ -133,10 +146,13 @@ class Server:
         try:
             if parsed.kind == "chat":
                 yield _data(shapes.chunk(role=True))
-            async for tokens in live.updates():
-                reasoning, content = split.feed(text.feed(tokens))
-                if reasoning or content:
-                    yield _data(shapes.chunk(reasoning, content))
+            try:
+                async for tokens in live.updates():
+                    reasoning, content = split.feed(text.feed(tokens))
+                    if reasoning or content:
+                        yield _data(shapes.chunk(reasoning, content))
+            except ApiError as error:  # the engine stopped
+                row.error, row.finish_reason = error, "error"
             if row.finish_reason == "error":
                 yield _data(_failed(row).body())
                 yield {"data": "[DONE]"}
@@ -157,8 +173,9 @@ class Server:
 
     def health(self) -> dict:
         engine = self.engine
-        return {"status": "ok", "model": self.served.name, "active": engine.active, "waiting": engine.waiting,
-                "max_queue": self.max_queue, "counters": dict(engine.counters)}
+        running = self.thread is not None and self.thread.is_alive()
+        return {"status": "ok" if running else "engine stopped", "model": self.served.name, "active": engine.active,
+                "waiting": engine.waiting, "max_queue": self.max_queue, "counters": dict(engine.counters)}
 
 
 def _data(obj: dict) -> dict:
@@ -189,12 +206,14 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(request: Request):
-        return JSONResponse(server.health())
+        state = server.health()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         stop = threading.Event()
         thread = threading.Thread(target=engine.run, args=(stop,), name="qmtp-engine", daemon=True)
+        server.thread = thread
         thread.start()
         try:
             yield

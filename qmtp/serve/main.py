@@ -79,9 +79,11 @@ def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        import sse_starlette  # noqa: F401
+        import starlette  # noqa: F401
         import uvicorn
-    except ImportError:
-        print("qmtp serve needs the web stack: pip install 'qmtp[serve]'", file=sys.stderr)
+    except ImportError as error:
+        print(f"qmtp serve needs the web stack ({error.name} is missing): pip install 'qmtp[serve]'", file=sys.stderr)
         return 2
     try:
         from .. import load
