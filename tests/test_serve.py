@@ -398,6 +398,16 @@ def test_the_sequential_engine_cancels_a_queued_row_and_refuses_what_decode_woul
     assert not engine.step()
 
 
+def test_the_load_bench_runs_and_prints_its_table():
+    from qmtp.book import bench_serve
+
+    report = bench_serve.run(clients=(1, 2), max_tokens=6, n_drafts=(2,), mlx_lm=False)
+    rounds = report["servers"][0]["rounds"]
+    assert [r["clients"] for r in rounds] == [1, 2] and all(r["tokens_per_request"] == 6 for r in rounds)
+    assert all(r["ttft_p50"] > 0 and r["aggregate"] > 0 for r in rounds)
+    assert "qmtp serve, n_draft 2" in bench_serve.table(report)
+
+
 def test_importing_qmtp_loads_no_web_stack():
     code = ("import sys, qmtp; print(' '.join(m for m in sys.modules if m.split('.')[0] in "
             "('starlette', 'uvicorn', 'sse_starlette', 'openai', 'httpx') or m.startswith('qmtp.serve')))")

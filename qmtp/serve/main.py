@@ -66,6 +66,7 @@ def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key:
           name: str | None = None, engine=None):
     """The app serving `model` (a loaded `qmtp.Model`), with `engine` (default: `engine_class()`)."""
     from .app import create_app
+    from ..sampling import Sampling
     from .protocol import Served
 
     if n_draft is None:
@@ -73,7 +74,8 @@ def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key:
     if engine is None:
         engine = engine_class()(model, max_batch=max_batch)
     name = name or (Path(model.path).name if model.path else "qmtp")
-    return create_app(Served(model, name, n_draft), engine, api_key=api_key, max_queue=max_queue)
+    served = Served(model, name, n_draft, Sampling.of_model(model))  # read once, not at every request
+    return create_app(served, engine, api_key=api_key, max_queue=max_queue)
 
 
 def main(argv=None) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .. import chat
 from ..errors import CheckpointError, QmtpError, UsageError
 from ..options import MAX_N_DRAFT, SEEDS, Settings
+from ..sampling import Sampling
 
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty")
@@ -69,11 +70,13 @@ class Parsed:
 
 @dataclass(frozen=True)
 class Served:
-    """What the server serves: the model, its name, the default draft width."""
+    """What the server serves: the model, its name, the default draft width, and the sampler a request's
+    fields go over (None: the model's generation_config.json, read at every request)."""
 
     model: object
     name: str
     n_draft: int | str = 1
+    sampling: Sampling | None = None
 
 
 # ---- one field at a time ------------------------------------------------------------------------------------
@@ -187,7 +190,8 @@ def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_token
     ignore_eos = _optional_bool(body, "ignore_eos")
     try:
         settings = Settings.of(max_tokens=max_tokens, n_draft=n_draft, seed=seed, stop=stop or None,
-                               stop_at_eos=not ignore_eos, sampling="model", **_sampler(body))
+                               stop_at_eos=not ignore_eos, sampling=served.sampling or "model",
+                               **_sampler(body))
         settings.check_for(model)  # the model's own sampler with the overrides, the head for drafting
     except UsageError as error:
         message = str(error)
