@@ -201,6 +201,9 @@ def test_a_dropped_stream_frees_its_row_and_the_server_goes_on(url):
         assert health(url)["active"] == 1
     wait_idle(url)  # long before 3000 tokens: the row left at its next step
     assert client(url).completions.create(model="tiny", prompt="Hi", max_tokens=5).choices[0].text
+    with pytest.raises(httpx.ReadTimeout):  # a whole response the client stops waiting for
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(10, read=1))
+    wait_idle(url)
 
 
 # ---- hostile and unlucky clients ----------------------------------------------------------------------------

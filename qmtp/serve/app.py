@@ -28,7 +28,7 @@ from . import protocol
 from .protocol import ApiError, Parsed, Served, Shapes
 from .stream import TextStream, ThinkingSplit, split_reply
 
-POLL_SECONDS = 0.01  # how often a waiting request looks whether its row ended or its client left
+POLL_SECONDS = 0.005  # how often the watcher looks which rows ended
 MAX_BODY_BYTES = 32 * 2**20
 
 
@@ -36,11 +36,14 @@ def _error(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+_END = object()  # put in a row's queue after its last tokens
+
+
 class _Live:
     """A row's tokens, handed from the engine thread to the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, engine_alive):
-        self.loop, self.queue, self.engine_alive = loop, asyncio.Queue(), engine_alive
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
         self.row = None
 
     def push(self, tokens: list[int]) -> None:  # on the engine thread
@@ -50,24 +53,41 @@ class _Live:
             if self.row is not None:
                 self.row.cancel()
 
-    async def updates(self, http_request: Request | None = None):
-        """Each step's tokens as they come, until the row is done; with `http_request`, a client that leaves
-        cancels the row (a streamed response is cancelled by sse-starlette instead)."""
+    async def updates(self):
+        """Each step's tokens as they come, until the row is done."""
         while True:
-            try:
-                yield await asyncio.wait_for(self.queue.get(), POLL_SECONDS)
-                continue
-            except asyncio.TimeoutError:
-                pass
-            if self.row.done.is_set():
-                while not self.queue.empty():
-                    yield self.queue.get_nowait()
+            item = await self.queue.get()
+            if item is _END:
+                if not self.row.done.is_set():  # the engine thread died: this row will never end
+                    raise ApiError("the engine stopped", None, status=503, kind="server_error",
+                                   code="engine_stopped")
                 return
-            if not self.engine_alive():  # the engine thread died: this row will never end
-                raise ApiError("the engine stopped", None, status=503, kind="server_error", code="engine_stopped")
-            if http_request is not None and await http_request.is_disconnected():
-                self.row.cancel()
-                return
+            yield item
+
+
+class _Watcher:
+    """One task for all rows: ends a row's queue once the row is done (the interface has no callback for
+    that, only `done`, a threading.Event) or the engine thread died, so a request waits on its queue alone."""
+
+    def __init__(self):
+        self.rows: set[_Live] = set()
+
+    async def run(self, engine_alive) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            alive = engine_alive()
+            for live in [live for live in self.rows if live.row.done.is_set() or not alive]:
+                self.rows.discard(live)
+                # after the tokens the engine pushed before it set `done` (already scheduled)
+                loop.call_soon(live.queue.put_nowait, _END)
+
+
+async def _cancel_on_disconnect(request: Request, row) -> None:
+    """A client that leaves before its whole (not streamed) response cancels its row."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    row.cancel()
 
 
 class Server:
@@ -78,6 +98,7 @@ class Server:
         self.eos = chat.end_ids(served.model)
         self.started = int(time.time())
         self.thread: threading.Thread | None = None  # the engine's, while the app runs
+        self.watcher = _Watcher()
 
     def authorise(self, request: Request) -> None:
         if self.api_key is None:
@@ -107,11 +128,12 @@ class Server:
             raise ApiError(f"the server is busy: {self.engine.waiting} requests are already waiting (--max-queue "
                            f"{self.max_queue}); try again later", None, status=429, kind="rate_limit_error",
                            code="queue_full")
-        live = _Live(asyncio.get_running_loop(), self.thread.is_alive)
+        live = _Live(asyncio.get_running_loop())
         try:
             live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push)
         except UsageError as error:  # what the engine checks itself (protocol checked the fields before)
             raise ApiError(str(error), None) from None
+        self.watcher.rows.add(live)
         return live
 
     async def answer(self, request: Request, parsed: Parsed):
@@ -120,11 +142,13 @@ class Server:
         if parsed.stream:
             return EventSourceResponse(self.events(live, parsed, shapes), ping=15)
         row = live.row
+        listening = asyncio.create_task(_cancel_on_disconnect(request, row))
         try:
-            async for _ in live.updates(request):
+            async for _ in live.updates():
                 pass
         finally:
-            if not row.done.is_set():  # the handler was cancelled (shutdown) or the client left
+            listening.cancel()
+            if not row.done.is_set():  # the handler was cancelled (shutdown) or failed
                 row.cancel()
         if row.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # the client left: nobody reads this
@@ -215,9 +239,11 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
         thread = threading.Thread(target=engine.run, args=(stop,), name="qmtp-engine", daemon=True)
         server.thread = thread
         thread.start()
+        watching = asyncio.create_task(server.watcher.run(thread.is_alive))
         try:
             yield
         finally:
+            watching.cancel()
             stop.set()
             await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
 
