@@ -71,8 +71,8 @@ test: venv test-deps
 	fi
 
 # The extras only the tests need: `browser` (Playwright, driving Debian's chromium: Playwright never
-# downloads a browser here) and `peer` (mlx-vlm, the peer engine; pip warns and goes on if the extra is
-# not defined). A ROCm venv skips `peer`, whose mlx-vlm would pull an mlx wheel over the machine's build.
+# downloads a browser here), `serve` (the web stack of `qmtp serve`) and `peer` (mlx-vlm, the peer engine;
+# pip warns and goes on if the extra is not defined). A ROCm venv skips `peer`, whose mlx-vlm would pull an mlx wheel over the machine's build.
 TEST_EXTRAS_STAMP := $(VENV)/.test-extras
 
 test-deps: $(TEST_EXTRAS_STAMP) openblas
@@ -89,9 +89,9 @@ openblas:
 
 $(TEST_EXTRAS_STAMP): $(STAMP) pyproject.toml
 	if [ -f $(ROCM_MARK) ]; then \
-	  $(VPIP) install -e '.[browser]'; \
+	  $(VPIP) install -e '.[browser,serve]'; \
 	else \
-	  $(VPIP) install -e '.[browser,peer]'; \
+	  $(VPIP) install -e '.[browser,peer,serve]'; \
 	fi
 	touch $@
 
