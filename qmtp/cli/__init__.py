@@ -1,4 +1,4 @@
-"""`python -m qmtp COMMAND`: chat, convert, synthetic, doctor, bench.
+"""`python -m qmtp COMMAND`: chat, convert, synthetic, doctor, bench, serve.
 
 One module per command, each with `register(commands)` (its parser, `set_defaults(run=...)`) and `run(args)`;
 the flags several commands share are parsed in `options`. A new command is one module and one line in COMMANDS.
@@ -16,12 +16,12 @@ import sys
 import warnings
 
 from ..errors import QmtpError
-from . import bench, chat, convert, doctor, synthetic
+from . import bench, chat, convert, doctor, serve, synthetic
 from .options import Parser, json_destination, parse_bool, positive_int
 from .streams import ChatStream, TextStream
 
 # In the order `python -m qmtp --help` lists them
-COMMANDS = (chat, convert, synthetic, doctor, bench)
+COMMANDS = (chat, convert, synthetic, doctor, bench, serve)
 
 __all__ = ["COMMANDS", "ChatStream", "Parser", "TextStream", "build_parser", "json_destination", "main", "one_line",
            "parse_bool", "positive_int"]
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     if getattr(sys.stdout, "errors", None) in ("strict", "surrogateescape") and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
+        words = list(sys.argv[1:] if argv is None else argv)
+        if serve.forwarded(words):  # a server or benchmark that parses its own flags
+            return serve.forward(words)
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what a rank started by --ranks runs again
         with _one_line_warnings():

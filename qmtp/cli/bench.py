@@ -20,6 +20,11 @@ def register(commands) -> None:
     _register_mtp(benches)
     _register_decode(benches)
     _register_convert(benches)
+    # run by their own modules (qmtp.cli.serve.FORWARDED): listed here for --help
+    benches.add_parser("batch", add_help=False, help="batched decoding, rows x n_draft, against single runs and "
+                       "mlx-lm (python -m qmtp bench batch --help)")
+    benches.add_parser("serve", add_help=False, help="qmtp serve under 1..N clients, drafting on and off, against "
+                       "mlx_lm.server (python -m qmtp bench serve --help)")
     bench.set_defaults(run=run)
 
 
