@@ -54,12 +54,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def engine_class():
-    """The continuous batch once it exists; until then the one-request-at-a-time stand-in."""
-    try:
-        from ..continuous import ContinuousBatch
-    except ImportError:
-        from .sequential import SequentialBatch as ContinuousBatch
-    return ContinuousBatch
+    """The one-request-at-a-time engine, for now. `qmtp.continuous.ContinuousBatch` has the same interface but
+    refuses penalised rows, and a request's sampler defaults to the model's generation_config.json, whose
+    thinking-mode settings carry a presence penalty (the family's and the bundled model's): until the batch
+    counts penalties per row, serving it would refuse most requests."""
+    from .sequential import SequentialBatch
+
+    return SequentialBatch
 
 
 def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
