@@ -337,7 +337,7 @@ glue("acc_head3", ablation["head weights 3-bit"], display=False)
 # what it costs in acceptance is measured here on the same model and prompts:
 #
 # - the head's KV cache kept from step to step (vLLM {cite:p}`vllmmtp`, qmtp) or emptied at every step, as
-#   lemon-mlx-engine does {cite:p}`lemonmlx` (`generate(..., head_cache="reset")`: the head then attends only to
+#   lemon-mlx-engine does {cite:p}`lemonmlx` (`generate(..., engine=qmtp.Engine(head_cache="reset"))`: the head then attends only to
 #   the position it drafts from and its own chained drafts);
 # - the trunk's state fed to the head after its final norm or before it (`hidden="pre"`, as lemon-mlx-engine
 #   feeds it);

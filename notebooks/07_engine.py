@@ -186,7 +186,7 @@ glue(
 # Two choices are meant to make the loop above lean: each step is one compiled function (`mx.compile` traces
 # `qmtp.decoding.step` once per width and replays the trace), and the host queues step s + 1 before it
 # reads the tokens of step s, so that the computation need not wait for Python. The same rounds ran the same loop with
-# one or both taken away (`generate(..., compiled=False, queue_ahead=False)`; `python -m qmtp bench mtp
+# one or both taken away (`generate(..., engine=qmtp.Engine(compiled=False, queue_ahead=False))`; `python -m qmtp bench mtp
 # --ablate 1 4` prints the same rows), at plain decoding and at `n_draft=4`, so that what each is worth is
 # measured:
 
@@ -406,7 +406,7 @@ saved = results.save(
 #    *Where the answer shows:* the qmtp row of *qmtp against mlx-lm*; on the tiny model lm_head is not split,
 #    so the number should not move.
 #
-# 3. Decode eagerly: `qmtp.generate(model, prompts[0], max_tokens=32, n_draft=4, compiled=False)`, and
+# 3. Decode eagerly: `qmtp.generate(model, prompts[0], max_tokens=32, n_draft=4, engine=qmtp.Engine(compiled=False))`, and
 #    compare `.stats.tokens_per_second` with the same call without `compiled=False`.
 #
 #    *Where the answer shows:* the "eager (not compiled)" row of *What the lean loop buys*.
