@@ -108,8 +108,9 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # :dedent: 4
 # ```
 #
-# Sampling replaces this by rejection sampling (`Rejection.accept`), whose tokens have the distribution of
-# sampling the trunk alone (*Acceptance under sampling*, below).
+# Sampling replaces these argmaxes by argmaxes of the log-probabilities plus Gumbel noise made from the seed
+# and the position (`Coupled.accept`; Leviathan et al.'s rejection sampling, `Rejection.accept`, is the other
+# choice), whose tokens have the distribution of sampling the trunk alone (*Acceptance under sampling*, below).
 #
 # **Roll back.** Attention needs nothing: the offset advances by the kept tokens, and the entries past it
 # are masked and later overwritten. A linear-attention layer has one state, not one entry per position, so
@@ -468,9 +469,13 @@ glue(
 #
 # % No $...$ on this page: MathJax beside the explorer's widget manager throws (MathJax.Hub is v2's API).
 #
-# With `temperature` above 0 a draft is sampled from the head's distribution q and kept with probability
-# min(1, p/q), p the trunk's (rejection sampling: the tokens keep exactly the trunk's distribution), so a
-# draft can be kept without being the trunk's top choice, and rejected although it is. The same prompts at the
+# With `temperature` above 0 the trunk's token at a position is a sample of its distribution p, drawn as the
+# argmax of log p plus Gumbel noise made from the seed and the position alone; the head's draft there is the
+# argmax of its own log q plus the same noise, and is kept when the two agree (`qmtp.Engine(acceptance=
+# "coupled")`, the default). The tokens keep exactly the trunk's distribution, a draft can be kept without being
+# the trunk's top choice, and a seed gives the same tokens at every n_draft. Rejection sampling (a draft kept
+# with probability min(1, p/q), `acceptance="rejection"`) keeps about 1% more first drafts on this model, but
+# its tokens depend on the widths. The same prompts at the
 # temperatures the model card recommends, 0.6 (precise coding) and 1.0 (thinking) {cite:p}`qwen2026qwen36`,
 # beside greedy decoding (`generate(..., temperature=T, seed=0)`):
 

@@ -56,11 +56,12 @@ def _stop_strings(stop) -> tuple[str, ...]:
 class Settings:
     """What a user asks of one generation. Build it with `Settings.of(...)`, which checks every value.
 
-    max_tokens: new tokens at most. n_draft: tokens per trunk pass counting the trunk's own (1 = plain
-    decoding, 2 = one head draft; vLLM's num_speculative_tokens is n_draft - 1), or "auto". sampling: None
-    (greedy), "model" (the checkpoint's generation_config.json) or a `qmtp.Sampling`, with `overrides` (the
-    sampler's fields given one by one) replacing its fields. seed: the sampler's seed. stop: strings that end
-    the text. stop_at_eos: False ignores the model's end ids."""
+    - max_tokens: new tokens at most.
+    - n_draft: tokens per trunk pass counting the trunk's own (1 = plain decoding, 2 = one head draft; vLLM's
+      num_speculative_tokens is n_draft - 1), or "auto".
+    - sampling: None (greedy), "model" (the checkpoint's generation_config.json) or a `qmtp.Sampling`, with
+      `overrides` (the sampler's fields given one by one) replacing its fields.
+    - seed: the sampler's seed; stop: strings that end the text; stop_at_eos: False ignores the end ids."""
 
     max_tokens: int = 64
     n_draft: int | str = 1
@@ -134,21 +135,21 @@ class Settings:
 class Engine:
     """How the decoding loop runs: the switches the book's ablations flip. Users keep the defaults.
 
-    head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); None: the model's own head.
-    hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre" before it.
-    head_cache: "keep" keeps the head's KV cache across steps (vLLM, SGLang); "reset" empties it at every step
-        (lemon-mlx-engine), so the head attends only to the position it drafts from.
-    chain: "post" feeds a chained draft (n_draft >= 3) the head's own output after its final norm; "pre" before.
-    rollback: "record" keeps each position's linear-attention state during verification; "replay" runs the
-        accepted tokens again from the state before the pass.
-    acceptance: how a sampled draft is kept. "coupled": each position's token is chosen with noise made from the
-        seed and the position alone, shared by the draft, so a seed gives the same tokens at every n_draft, "auto"
-        included (`decoding.Coupled`); "rejection": Leviathan et al.'s rejection sampling, random per step
-        (`decoding.Rejection`), which keeps about 1% more first drafts. Both keep the trunk's law exactly.
-    track_experts: count the distinct experts each verify pass reads (`Stats.experts_per_pass`).
-    compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a trace), or
-        reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s ablation).
-    timer: a `qmtp.speculative.PhaseTimer` to add the loop's phases to (profiling)."""
+    - head: a replacement drafter (e.g. `mtp.without_routed_experts(model.mtp)`); None: the model's own head.
+    - hidden: "post" feeds the head the trunk state after its final norm (as vLLM and SGLang do), "pre" before it.
+    - head_cache: "keep" keeps the head's KV cache across steps (vLLM, SGLang); "reset" empties it at every step
+      (lemon-mlx-engine), so the head attends only to the position it drafts from.
+    - chain: "post" feeds a chained draft (n_draft >= 3) the head's own output after its final norm; "pre" before.
+    - rollback: "record" keeps each position's linear-attention state during verification; "replay" runs the
+      accepted tokens again from the state before the pass.
+    - acceptance: how a sampled draft is kept. "coupled": each position's token is chosen with noise made from
+      the seed and the position alone, shared by the draft, so a seed gives the same tokens at every n_draft,
+      "auto" included (`decoding.Coupled`); "rejection": Leviathan et al.'s rejection sampling, random per step
+      (`decoding.Rejection`), which keeps about 1% more first drafts. Both keep the trunk's law exactly.
+    - track_experts: count the distinct experts each verify pass reads (`Stats.experts_per_pass`).
+    - compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a trace), or
+      reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s ablation).
+    - timer: a `qmtp.speculative.PhaseTimer` to add the loop's phases to (profiling)."""
 
     head: object = None  # an MTPHead
     hidden: str = "post"

@@ -111,7 +111,8 @@ def prompts_from(texts: list[str], model: Model, n_tokens: int = 8) -> list[list
     return [[tok.eos_id] + tok.encode(text)[:n_tokens] for text in texts]
 
 
-def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48, **engine) -> dict:
+def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tokens: int = 48,
+               temperature: float | None = None, seed: int = 0, **engine) -> dict:
     """Greedy speculative decoding over `prompts`; acceptance per draft position, pooled over prompts."""
     from ..options import Engine
     from ..speculative import generate
@@ -120,7 +121,8 @@ def acceptance(model: Model, prompts: list[list[int]], n_draft: int = 2, max_tok
     drafted, accepted = [0] * k, [0] * k
     emitted = passes = 0
     for prompt in prompts:
-        stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n_draft, engine=Engine(**engine)).stats
+        stats = generate(model, prompt, max_tokens=max_tokens, n_draft=n_draft, temperature=temperature,
+                         seed=seed, engine=Engine(**engine)).stats
         drafted = [a + b for a, b in zip(drafted, stats.drafted)]
         accepted = [a + b for a, b in zip(accepted, stats.accepted)]
         emitted += sum(len(s.emitted) for s in stats.steps)
