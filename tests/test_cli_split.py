@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMAND_NAMES = ("chat", "convert", "synthetic", "doctor", "bench")
+COMMAND_NAMES = ("chat", "convert", "synthetic", "doctor", "bench", "serve")
 
 
 def test_every_command_is_a_module_with_register_and_run():
@@ -36,15 +36,15 @@ def test_adding_a_command_is_one_module_and_one_line(monkeypatch, capsys):
     from qmtp import cli
 
     def register(commands):
-        serve = commands.add_parser("serve", help="a command added later")
-        serve.add_argument("--port", type=cli.positive_int, default=8000)
-        serve.set_defaults(run=lambda args: print(f"serving on {args.port}") or 0)
+        greet = commands.add_parser("greet", help="a command added later")
+        greet.add_argument("--port", type=cli.positive_int, default=8000)
+        greet.set_defaults(run=lambda args: print(f"serving on {args.port}") or 0)
 
     monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, types.SimpleNamespace(register=register)))
-    assert cli.main(["serve", "--port", "9"]) == 0
+    assert cli.main(["greet", "--port", "9"]) == 0
     assert capsys.readouterr().out == "serving on 9\n"
-    assert cli.main(["serve", "--port", "0"]) == 2  # the shared validators, and main's one line, come with it
-    assert capsys.readouterr().err.startswith("qmtp: error: python -m qmtp serve: argument --port")
+    assert cli.main(["greet", "--port", "0"]) == 2  # the shared validators, and main's one line, come with it
+    assert capsys.readouterr().err.startswith("qmtp: error: python -m qmtp greet: argument --port")
 
 
 def test_the_shared_flags_are_defined_once():

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     """python -m qmtp.book.bench_batch [MODEL] --batch 1,2,4,8 --n-draft 1,2,3,4,5,auto [--json PATH]"""
     from ..loading import load
 
-    parser = argparse.ArgumentParser(prog="qmtp bench batch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qmtp bench batch", description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None, help="a checkpoint folder (default: the bundled model)")
     parser.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated")
     parser.add_argument("--n-draft", default="1,2,3,4,5,auto", help="widths, comma-separated (auto allowed)")

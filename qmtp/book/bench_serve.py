@@ -201,7 +201,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="qmtp bench serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qmtp bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--clients", type=_counts, default=(1, 4, 16), help="concurrent clients per round: 1,4,16")
     p.add_argument("--n-draft", type=_counts, default=(1, 3), help="qmtp serve's --n-draft, one server each: 1,3")

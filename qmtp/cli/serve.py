@@ -19,7 +19,7 @@ def register(commands) -> None:
     serve = commands.add_parser("serve", add_help=False, help="the model behind an OpenAI-compatible server "
                                 "(python -m qmtp serve --help)")
     serve.add_argument("rest", nargs=argparse.REMAINDER)
-    serve.set_defaults(run=lambda args: forward(["serve", *args.rest]))
+    serve.set_defaults(run=run)
 
 
 def forwarded(argv: list[str]) -> str | None:
@@ -34,3 +34,8 @@ def forward(argv: list[str]) -> int:
     module = forwarded(argv)
     words = next(w for w, m in FORWARDED.items() if m == module)
     return importlib.import_module(module).main(argv[len(words):])
+
+
+def run(args) -> int:
+    """What `serve` runs once parsed (main forwards it before parsing; this is for a caller of build_parser)."""
+    return forward(["serve", *args.rest])

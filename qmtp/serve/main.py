@@ -35,7 +35,7 @@ def _positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qmtp serve", description="Serve a model over the OpenAI API "
+    p = argparse.ArgumentParser(prog="python -m qmtp serve", description="Serve a model over the OpenAI API "
                                 "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
     p.add_argument("model", nargs="?", default=None,
                    help="a qmtp or mlx-lm checkpoint folder (default: $QMTP_MODEL, else the bundled tiny model)")
