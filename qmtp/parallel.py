@@ -197,7 +197,8 @@ class Holdings:
 
     @property
     def reads_every_expert(self) -> bool:
-        """Rank 0 of a checkpoint without recorded digests: the one reference the others' experts are held to."""
+        """Whether this rank reads every expert (rank 0 of a checkpoint without recorded digests), as the one
+        reference the others' experts are held to."""
         return self.manifest is None and self.shard.rank == 0
 
     def add(self, name: str, raw, rows: tuple[int, int] | None) -> None:
