@@ -105,12 +105,16 @@ bottom = cost_model.bottom_line(real_width, memory_gib)
 glue("bl_prose", cost_model.bottom_line_prose(bottom), display=False)
 Markdown(
     inventory.markdown_table(
-        [dict(r, src="{cite:p}`%s`" % ",".join(r["sources"])) for r in bottom],
-        ["hardware", "engines", "published", "src", "predicted", "n_draft", "fits", "sure"],
+        [
+            dict(r, hardware=f"{r['hardware']}; *{r['engines']}*",
+                 published=r["published"] + " {cite:p}`%s`" % ",".join(r["sources"]))
+            for r in bottom
+        ],
+        ["hardware", "published", "predicted", "n_draft", "fits", "sure"],
     )
-    .replace("| src |", "| sources |", 1)
+    .replace("| hardware |", "| hardware; *engines* |", 1)
     .replace("| published |", "| published speedup |", 1)
-    .replace("| predicted |", "| predicted (out-of-sample error) |", 1)
+    .replace("| predicted |", "| predicted (error) |", 1)
     .replace("| n_draft |", "| n_draft to set |", 1)
     .replace("| fits |", "| widths that fit |", 1)
     .replace("| sure |", "| how sure |", 1)
@@ -380,8 +384,7 @@ Markdown(
                 ),
                 tps=f"{r['plain tok/s']:.1f} → {r['published tok/s']:.1f}",
                 pred=tokens(r["predicted tok/s"]) if r["comparable"] else r["why not"],
-                err=percent(r["error"]),
-                strict=percent(r["strict error"]),
+                err=f"{percent(r['error'])} ({percent(r['strict error'])})",
                 bytes=(
                     "-"
                     if r["bytes-only speedup"] is None
@@ -391,13 +394,12 @@ Markdown(
             )
             for r in runs
         ],
-        ["run", "width", "tps", "pred", "err", "strict", "bytes", "src"],
+        ["run", "width", "tps", "pred", "err", "bytes", "src"],
     )
     .replace("| width |", "| n_draft; engine's option |", 1)
     .replace("| tps |", "| published tok/s, plain → MTP |", 1)
     .replace("| pred |", "| predicted MTP tok/s |", 1)
-    .replace("| err |", "| error |", 1)
-    .replace("| strict |", "| strict error |", 1)
+    .replace("| err |", "| error (strict) |", 1)
     .replace("| bytes |", "| bytes only, speedup |", 1)
     .replace("| src |", "| source |", 1)
 )
