@@ -67,47 +67,63 @@ class DeadlinePassed(LimitExceeded):
     """Raised asynchronously in a rendering thread by the watchdog when its time is up."""
 
 
+class _Watch:
+    """One watched render: its deadline, its thread, and whether the watchdog has claimed it (and fired)."""
+
+    __slots__ = ("deadline", "thread", "fired")
+
+    def __init__(self):
+        self.deadline, self.thread, self.fired = float("inf"), None, False
+
+
 class _Watchdog:
     """One daemon thread that raises DeadlinePassed in a thread still rendering at its deadline
     (`PyThreadState_SetAsyncExc`: Python delivers it at the thread's next bytecode, so a loop that emits nothing
-    stops too, in any thread, and a render that ends in time costs only a registration)."""
+    stops too, in any thread, and a render that ends in time costs only a registration).
+
+    An exception that arrives while its thread holds a lock leaks the lock when it lands between the acquire and
+    the `with` body (it did: the watchdog's own lock, and every later render in the process hung). So a rendering
+    thread takes the lock only in `watch`, before the watchdog can fire at it; `finish` takes none: the watchdog
+    and `finish` race to pop the watch from the dict (one atomic step), and a watch the watchdog won is waited
+    out until it has fired, then withdrawn."""
 
     def __init__(self):
         self._lock = threading.Condition()
-        self._watched: dict[object, list] = {}  # token: [deadline, thread id, fired]
+        self._watched: dict[_Watch, None] = {}
         self._thread: threading.Thread | None = None
         self._wakes_at = float("inf")  # when the watchdog looks next: a later deadline needs no waking it
 
-    def watch(self, token: object, seconds: float) -> None:
+    def watch(self, token: _Watch, seconds: float) -> None:
         """Watch this thread under `token` (the caller's, so that `finish` finds it even when the deadline
         strikes before this returns)."""
-        deadline = time.monotonic() + seconds
-        with self._lock:
-            self._watched[token] = [deadline, threading.get_ident(), False]
+        token.deadline, token.thread = time.monotonic() + seconds, threading.get_ident()
+        with self._lock:  # the watchdog looks again only once this is released: nothing can fire in here
+            self._watched[token] = None
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="qmtp-template-watchdog", daemon=True)
                 self._thread.start()
-            if deadline < self._wakes_at:
-                self._wakes_at = deadline
+            if token.deadline < self._wakes_at:
+                self._wakes_at = token.deadline
                 self._lock.notify()
 
-    def finish(self, token) -> None:
-        """Stop watching; an exception fired but not yet delivered is withdrawn, so it cannot strike later."""
-        with self._lock:
-            entry = self._watched.pop(token, None)
-        if entry is not None and entry[2]:
-            _set_async_exception(entry[1], None)
+    def finish(self, token: _Watch) -> None:
+        """Stop watching; an exception fired but not yet delivered is withdrawn, so it cannot strike later. A
+        DeadlinePassed may still arrive in here: the caller calls this again until it returns."""
+        if self._watched.pop(token, False) is None or token.thread is None:
+            return  # disarmed in time (or never armed): nothing was fired
+        while not token.fired:  # the watchdog claimed it and fires next
+            time.sleep(0)
+        _set_async_exception(token.thread, None)
 
     def _run(self):
         with self._lock:
             while True:
                 now = time.monotonic()
-                for entry in self._watched.values():
-                    if not entry[2] and entry[0] <= now:
-                        entry[2] = True
-                        _set_async_exception(entry[1], DeadlinePassed)
-                self._wakes_at = min((entry[0] for entry in self._watched.values() if not entry[2]),
-                                     default=float("inf"))
+                for token in list(self._watched):
+                    if token.deadline <= now and self._watched.pop(token, False) is None:  # claimed here
+                        _set_async_exception(token.thread, DeadlinePassed)
+                        token.fired = True
+                self._wakes_at = min((token.deadline for token in list(self._watched)), default=float("inf"))
                 self._lock.wait(self._wakes_at - now if self._wakes_at < float("inf") else None)
 
 
@@ -127,7 +143,7 @@ def bounded(limits: TemplateLimits, what: str, work):
     failed."""
     outer = getattr(_state, "limits", None), getattr(_state, "sizes", None), getattr(_state, "depth", 0)
     _state.limits, _state.sizes, _state.depth = limits, {}, 0
-    token = object()
+    token = _Watch()
     try:
         try:
             _WATCHDOG.watch(token, limits.seconds)

@@ -321,3 +321,35 @@ def test_a_deadline_never_strikes_after_its_render(monkeypatch):
     finally:
         sys.setswitchinterval(interval)
     assert isinstance(outcomes, set), f"{type(outcomes).__name__}: {outcomes}"
+
+
+def test_deadlines_striking_in_several_threads_never_leave_the_watchdog_locked(monkeypatch):
+    """Four threads render at deadlines around a render's length at once (as the server's engine thread and a
+    caller do): a deadline that lands while a thread registers or withdraws its watch must not leave the
+    watchdog's lock held, or every later render in the process waits for it forever (it did)."""
+    source = "{% for i in range(3000) %}{{ i }}{% endfor %}"
+    chat.render(source, HELLO)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)
+    monkeypatch.setattr(template_bounds, "LIMITS", template_bounds.TemplateLimits(seconds=0.0005))
+
+    def many():
+        for _ in range(120):
+            try:
+                chat.render(source, HELLO)
+            except TemplateError:
+                pass
+        return "done"
+
+    try:
+        threads = [threading.Thread(target=many, daemon=True) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a rendering thread waits on the watchdog"
+    finally:
+        sys.setswitchinterval(interval)
+    monkeypatch.setattr(template_bounds, "LIMITS", template_bounds.TemplateLimits())
+    result, _ = in_thread(lambda: chat.render("{{ 'still renders' }}", HELLO))
+    assert result == "still renders"
