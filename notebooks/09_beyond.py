@@ -291,9 +291,12 @@ glue("xfer_same_err", xfer["unscaled error"], display=False)
 # %% [markdown]
 # Each cell gives plain decoding's tokens/s, then the best `n_draft`'s and, in brackets, that `n_draft`, at
 # the context of the run that calibrates the machine, one rank per machine, a 4-bit trunk with the head in
-# bf16; a member appears at each N whose share fits (128 GB per Strix Halo box, 256 GB per Mac). **Apple M3
-# Ultra**, calibrated by {glue:text}`mac_by` (out of sample the model missed that run's MTP figure by
-# {glue:text}`mac_err:+.0%`):
+# bf16; a member appears at each N whose share fits (128 GB per Strix Halo box; 256 GB per Mac, an assumed
+# configuration). The last column names the published run that calibrates the row (the 35B-A3B's, "35B", times
+# the ratio of layers for a member with no run of its own) and the model's out-of-sample error on that run's MTP figure,
+# with the fitted acceptance as here: the error to read beside the row's predictions; † marks a member sized
+# from a third-party config. **Apple M3 Ultra**,
+# calibrated by {glue:text}`mac_by` (error {glue:text}`mac_err:+.0%`):
 
 # %%
 mac, strix = beyond.KINDS
@@ -306,8 +309,7 @@ mac_cells = beyond.cluster_table(mac_rows, mac)
 Markdown(table(mac_cells, list(mac_cells[0])))
 
 # %% [markdown]
-# **AMD Strix Halo**, calibrated by {glue:text}`strix_by` (out-of-sample error on that run's MTP figure
-# {glue:text}`strix_err:+.0%`):
+# **AMD Strix Halo**, calibrated by {glue:text}`strix_by` (error {glue:text}`strix_err:+.0%`):
 
 # %%
 strix_rows = beyond.cluster_rows(strix)
@@ -332,6 +334,7 @@ for kind, says in (("mac", mac_says), ("strix", strix_says)):
         glue(f"{tag}_machines", s["machines"], display=False)
         glue(f"{tag}_link", names[s["link"]], display=False)
         glue(f"{tag}_gain", s["gain"], display=False)
+        glue(f"{tag}_fewest", s["fewest"], display=False)
         one = s["one machine"]
         glue(f"{tag}_one", one["best"] if one else float("nan"), display=False)
 slow = {r["N"]: r for r in strix_cells if r["member"] == "35B-A3B"}
@@ -353,16 +356,15 @@ glue("mac_35_one", mac35[1]["alone"], display=False)
 #   {glue:text}`mac_35_two_tcp`. Drafting gains more there, relative to plain decoding on the same machines,
 #   because a verify pass shares its `all_sum`s among the tokens it yields, which is why the best `n_draft`
 #   grows with a slow link.
-# - **Over RDMA** the `all_sum`s cost little. Every rank pays the machine's overhead,
-#   which calibrated is most of a pass, but reads fewer bytes; over RoCE v2 or Thunderbolt RDMA the `all_sum`s
-#   cost little, so the best case of the 35B-A3B on Strix Halo is {glue:text}`strix_35B_best:.0f` tokens/s on
+# - **Over RDMA** every rank pays the machine's overhead, which calibrated is most of a pass, but reads fewer
+#   bytes, and over RoCE v2 or Thunderbolt RDMA the `all_sum`s cost little, so the best case of the 35B-A3B on Strix Halo is {glue:text}`strix_35B_best:.0f` tokens/s on
 #   {glue:text}`strix_35B_machines` boxes over {glue:text}`strix_35B_link` (`n_draft`
 #   {glue:text}`strix_35B_n`), against {glue:text}`strix_35B_one:.0f` on one. Over RDMA several machines reach
 #   at most {glue:text}`v_rdma_ratio:.2f` times one machine's best, {glue:text}`v_rdma_within` the model's
 #   error on the runs that calibrate them; and RoCE from MLX goes through its MPI backend, which this book has
 #   not run.
 # - **For the members that need several machines, the link sets the speed.** The 397B-A17B needs at
-#   least two Strix Halo boxes; its best there is {glue:text}`strix_397B_best:.0f` tokens/s on
+#   least {glue:text}`strix_397B_fewest` Strix Halo boxes; its best there is {glue:text}`strix_397B_best:.0f` tokens/s on
 #   {glue:text}`strix_397B_machines` boxes over {glue:text}`strix_397B_link` (`n_draft`
 #   {glue:text}`strix_397B_n`, {glue:text}`strix_397B_gain:.2f`x plain decoding on the same boxes). On Macs of
 #   256 GB one holds it ({glue:text}`mac_397B_one:.0f` tokens/s at its best width), and
@@ -407,7 +409,8 @@ print(shlex.join(launch.command(chat, hostfile="strix.json", timeout=600)))
 # The same hostfile works between Macs over IP over Thunderbolt (the ring; the 300 µs row above). For RDMA
 # over Thunderbolt 5, enable it once per Mac in macOS Recovery (`rdma_ctl enable`), cable every pair of Macs,
 # and give each host the RDMA device of the port that reaches each other host (`ibv_devices` lists them;
-# `mlx.distributed_config --backend jaccl --over thunderbolt` writes such a hostfile). qmtp's own `--hostfile`
+# `mlx.distributed_config --backend jaccl --over thunderbolt --hosts mac-1,mac-2,mac-3,mac-4
+# --output-hostfile macs.json` writes such a hostfile). qmtp's own `--hostfile`
 # starts the ring only, so JACCL's ranks are started by `mlx.launch` itself, with the variable by which a qmtp
 # rank knows it is one, and the prompt in `--prompt` (stdin is relayed only by qmtp's launcher):
 
@@ -435,8 +438,8 @@ os.chdir(built_in)
 # 1. `python -m qmtp doctor MODEL` on every host: the same MLX backend, and a checkpoint that opens.
 # 2. `python -m qmtp chat MODEL --ranks 2 --prompt hi --max-tokens 8` on one host: the ranks start, split
 #    the experts and decode (what this chapter ran live above).
-# 3. The link itself: `ping` over the interface the hostfile names (its round trip is the TCP latency the
-#    tables price), and for RDMA `ibv_devinfo` (ports `PORT_ACTIVE`) and perftest's `ib_send_lat` between two
+# 3. The link itself: `ping` over the interface the hostfile names (set its round trip beside the link
+#    table's TCP latency), and for RDMA `ibv_devinfo` (ports `PORT_ACTIVE`) and perftest's `ib_send_lat` between two
 #    hosts; a latency far above the rows of the link table moves every prediction here.
 # 4. One generation across the hosts with `--timeout`, so that a rank that hangs ends every rank: a host that
 #    cannot reach another's listening port shows as "could not join the ring".

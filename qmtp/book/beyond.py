@@ -437,8 +437,11 @@ def cluster_rows(kind: MachineKind, bits: int = 4, ranks=(1, 2, 4)) -> list[dict
             held = per_rank_bytes(report, n)
             if not fits(held, kind.memory_gb):
                 continue
+            scale = config.num_hidden_layers / _config_of(_row(kind.calibrating)).num_hidden_layers
+            short = ("own run" if member in kind.own else "35B run" + ("" if scale == 1 else f" ×{scale:.2f}"))
             row = {"member": member, "machines": n, "GB each": held / GB, "calibrated by": cal.by,
-                   "error": err["strict error"], "third party": provenance != "Qwen's config.json (the release)"}
+                   "calibration": short, "error": err["strict error"],
+                   "third party": provenance != "Qwen's config.json (the release)"}
             for key in (kind.links if n > 1 else (None,)):
                 link = _link(key) if key else None
                 s = speeds(cal, n, link, bits)
@@ -457,11 +460,12 @@ def cluster_table(rows: list[dict], kind: MachineKind) -> list[dict]:
     """`cluster_rows` as table cells: per link "plain → best (its n_draft)" in tokens/s."""
     out = []
     for r in rows:
-        cell = {"member": r["member"] + (" (third-party config)" if r["third party"] else ""),
-                "N": r["machines"], "GB each": f"{r['GB each']:.0f}"}
+        cell = {"member": r["member"] + ("†" if r["third party"] else ""),
+                "N": r["machines"], "GB/rank": f"{r['GB each']:.0f}"}
         for key in ("one machine", *kind.links):
             v = r.get(key)
             cell[SHORT[key]] = "-" if v is None else f"{v['plain']:.0f} → {v['best']:.0f} ({v['n_draft']})"
+        cell["calibration (error)"] = f"{r['calibration']} ({r['error']:+.0%})"
         out.append(cell)
     return out
 
