@@ -41,7 +41,8 @@
 #
 # **What runs here.** The bundled tiny model on two ranks of MLX's ring backend on this host, started by
 # `mlx.launch` from this notebook (`qmtp.book.beyond.run_live`, bounded by a timeout), and once more in a
-# process of its own; the sizes and predictions are arithmetic over the configs and the published figures of
+# process of its own; `python -m qmtp chat` on two ranks started by `mlx.launch` directly, as the how-to starts
+# JACCL's (`beyond.direct_launch_check`); the sizes and predictions are arithmetic over the configs and the published figures of
 # `qmtp.book.published`. The chapter always uses the bundled model, whatever `QMTP_MODEL` says: the check holds
 # two copies of the model on one host. Its run time is in the {doc}`execution table <../book/execution>`.
 # :::
@@ -425,6 +426,23 @@ print(shlex.join(beyond.jaccl_command("/models/qwen3.6-35b-a3b-4bit", "macs.json
 
 # %% tags=["remove-cell"]
 os.chdir(built_in)
+
+# %% [markdown]
+# This machine has no Thunderbolt RDMA, but the route itself, `mlx.launch` starting qmtp's ranks directly, runs
+# here with the ring in its place (`-n 2` on this host instead of the hostfile): two ranks of the bundled
+# model, greedy at `n_draft` 3, against the same `python -m qmtp chat` in one process.
+
+# %%
+direct = beyond.direct_launch_check(ranks=2, timeout=120)
+
+# %% tags=["remove-cell"]
+assert direct["ranks"] == direct["alone"], (direct["ranks"], direct["alone"])
+glue("direct_s", direct["seconds"], display=False)
+glue("direct_chars", len(direct["alone"]), display=False)
+
+# %% [markdown]
+# Rank 0 printed exactly what one process prints ({glue:text}`direct_chars` characters, the ranks done in
+# {glue:text}`direct_s:.0f` s; the chapter stops if they differ).
 
 # %% [markdown]
 # The first host's entry is printed above, then the command (`macs.json` holds `four_macs`; the device names are

@@ -580,14 +580,41 @@ def hostfile(hosts: list[tuple[str, str]], rdma: list[list[str | None]] | None =
     return {"backend": "jaccl", "hosts": [dict(e, rdma=r) for e, r in zip(entries, rdma)]}
 
 
-def jaccl_command(model: str, hostfile_path: str, *chat_args: str) -> list[str]:
+def jaccl_command(model: str, hostfile_path: str, *chat_args: str, backend: str = "jaccl") -> list[str]:
     """The command that runs `python -m qmtp chat MODEL ...` on the Macs of a JACCL hostfile: `mlx.launch` itself
     (qmtp's `--hostfile` starts the ring only), with the variable by which a qmtp rank knows it is one
-    (`qmtp.launch.RANKS_ENV`). The prompt goes in `--prompt`: stdin reaches such ranks unrelayed."""
+    (`qmtp.launch.RANKS_ENV`). The prompt goes in `--prompt`: stdin reaches such ranks unrelayed. `backend`
+    and `hostfile_path` ("-n 2" style arguments instead, see `direct_launch_check`) as `mlx.launch` takes them."""
     from ..launch import RANKS_ENV, launcher
 
-    return [launcher(), "--backend", "jaccl", "--hostfile", hostfile_path, "--python", sys.executable,
+    where = ["--hostfile", hostfile_path] if hostfile_path else []
+    return [launcher(), "--backend", backend, *where, "--python", sys.executable,
             "--env", f"{RANKS_ENV}=1", "--", "-m", "qmtp", "chat", model, *chat_args]
+
+
+def direct_launch_check(ranks: int = 2, timeout: float = 120.0) -> dict:
+    """`jaccl_command`'s route run here with the ring in place of JACCL: `ranks` ranks of the bundled model
+    started by `mlx.launch` directly, greedy at n_draft 3, and the same `python -m qmtp chat` in one process;
+    {"command": the ranks' command, "ranks": what rank 0 printed, "alone": what one process printed,
+    "seconds": the ranks' wall time}. A failure raises RuntimeError with the ranks' last lines."""
+    from ..launch import free_ports
+    from ..loading import BUNDLED_MODEL
+
+    chat = ["--raw", "--temperature", "0", "--use-mtp", "--n-draft", "3", "--prompt", PROMPT,
+            "--max-tokens", str(MAX_TOKENS)]
+    cmd = jaccl_command(str(BUNDLED_MODEL), "", *chat, backend="ring")
+    at = cmd.index("--python")
+    cmd[at:at] = ["-n", str(ranks), "--starting-port", str(free_ports(ranks))]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    cmd[cmd.index("--"):cmd.index("--")] = ["--env", f"PYTHONPATH={env['PYTHONPATH']}"]
+    started = time.perf_counter()
+    ranked = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    seconds = time.perf_counter() - started
+    if ranked.returncode or "exited with code" in ranked.stderr:
+        raise RuntimeError(f"the ranks failed (code {ranked.returncode}):\n{ranked.stderr[-2000:]}")
+    alone = subprocess.run([sys.executable, "-m", "qmtp", "chat", str(BUNDLED_MODEL), *chat], capture_output=True,
+                           text=True, timeout=timeout, env=env, check=True)
+    return {"command": cmd, "ranks": ranked.stdout.strip(), "alone": alone.stdout.strip(), "seconds": seconds}
 
 
 def backends_here() -> dict[str, bool]:
