@@ -351,7 +351,7 @@ glue("mac_35_one", mac35[1]["alone"], display=False)
 # %% [markdown]
 # What the tables say, with the errors above in mind:
 #
-# - **Over TCP, a member that fits one machine {glue:text}`v_tcp`.** The 35B-A3B on one Strix Halo box is
+# - **Over TCP, a member that fits one machine {glue:text}`v_tcp`**{glue:text}`v_tcp_except`. The 35B-A3B on one Strix Halo box is
 #   predicted at {glue:text}`strix_35_one` tokens/s (plain → best); on two boxes over 1 GbE at
 #   {glue:text}`strix_35_two_1gbe`; on one Mac at {glue:text}`mac_35_one`, on two over TCP at
 #   {glue:text}`mac_35_two_tcp`. Drafting gains more there, relative to plain decoding on the same machines,

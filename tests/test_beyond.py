@@ -240,6 +240,11 @@ def test_cluster_rows_list_only_what_fits():
             assert r[key]["best"] >= r[key]["plain"]
     says = beyond.verdicts([(strix, rows)])
     assert says["rdma_within"] in ("within", "beyond") and says["rdma_ratio"] > 0
+    one = {r["member"]: r["one machine"]["best"] for r in rows if r["machines"] == 1}
+    beaten = [(r["member"], r["machines"], key) for r in rows if r["machines"] > 1 and r["member"] in one
+              for key in strix.links if key not in beyond.RDMA and r[key]["best"] >= one[r["member"]]]
+    assert (says["tcp"] == "is slower on several in every case") == (not beaten)
+    assert says["tcp_except"].count(" machines over ") == len(beaten)
 
 
 # ---- the how-to ----------------------------------------------------------------------------------------------

@@ -545,7 +545,7 @@ def verdicts(rows_by_kind: list[tuple[MachineKind, list[dict]]]) -> dict:
     over RDMA get at most against one (`rdma_ratio`) and whether that is within the error of the calibrating
     run (`rdma_within`), and the best widths on one machine or over RDMA (`fast_widths`) and over TCP
     (`tcp_widths`)."""
-    tcp_slower, ratios, errors, fast, slow = [], [], [], set(), set()
+    tcp_slower, ratios, errors, fast, slow, faster = [], [], [], set(), set(), []
     for kind, rows in rows_by_kind:
         one = {r["member"]: r["one machine"]["best"] for r in rows if r["machines"] == 1}
         for r in rows:
@@ -560,9 +560,16 @@ def verdicts(rows_by_kind: list[tuple[MachineKind, list[dict]]]) -> dict:
                         ratios.append(v["best"] / one[r["member"]])
                     else:
                         tcp_slower.append(v["best"] < one[r["member"]])
+                        if not tcp_slower[-1]:
+                            faster.append((f"the {r['member']} on {r['machines']} {kind.name} machines over "
+                                           f"{SHORT[key]}, {v['best']:.1f} tokens/s against "
+                                           f"{one[r['member']]:.1f} on one", v["best"] / one[r["member"]]))
     ratio = max(ratios)
     span = lambda ns: f"{min(ns)}" if len(ns) == 1 else f"{min(ns)} to {max(ns)}"  # noqa: E731
     return {"tcp": "is slower on several in every case" if all(tcp_slower) else "is not always slower on several",
+            "tcp_except": "" if not faster else " (the exception" + ("s: " if len(faster) > 1 else ": ")
+            + "; ".join(text for text, _ in faster)
+            + (", within" if max(g for _, g in faster) - 1 <= max(errors) else ", beyond") + " the model's error)",
             "rdma_ratio": ratio, "rdma_within": "within" if ratio - 1 <= max(errors) else "beyond",
             "fast_widths": span(fast), "tcp_widths": span(slow)}
 
