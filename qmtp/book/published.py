@@ -261,6 +261,43 @@ QWEN35_122B_A10B = replace(QWEN36_35B_A3B, hidden_size=3072, num_hidden_layers=4
                            linear_num_value_heads=64)
 MEMBERS = {"35B-A3B": QWEN36_35B_A3B, "122B-A10B": QWEN35_122B_A10B}
 
+# The 397B-A17B's shape (section 11: no primary config.json readable here): hidden 4096, 60 layers, 32 query / 2 KV
+# heads of 256, 512 experts top-10 of width 1024, linear attention 16 key / 64 value heads of 128, one MTP layer.
+# Its shared expert is 1024 wide in THUDM/slime's model script and most copies, 4096 in one test fixture
+# (Megatron-Bridge): 1024 here, the 4096 reading beside it (`QWEN35_397B_A17B_WIDE_SHARED`).
+QWEN35_397B_A17B = replace(QWEN36_35B_A3B, hidden_size=4096, num_hidden_layers=60, layer_types=[], num_experts=512,
+                           num_experts_per_tok=10, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+                           num_attention_heads=32, linear_num_value_heads=64)
+QWEN35_397B_A17B_WIDE_SHARED = replace(QWEN35_397B_A17B, shared_expert_intermediate_size=4096, layer_types=[])
+
+
+@dataclass(frozen=True)
+class ThirdPartyConfig:
+    """A family member's shape from copies other than Qwen's own config.json, with what they disagree on."""
+
+    member: str
+    config: ModelConfig
+    named: tuple[float, float]  # billions of parameters, total and active, as the member's name gives them
+    source: str  # bib key
+    url: str
+    where: str
+    disagreement: str = ""  # what the copies disagree on, and which reading `config` takes
+    other: ModelConfig | None = None  # the config under the other reading
+
+
+THIRD_PARTY_CONFIGS = (
+    ThirdPartyConfig("122B-A10B", QWEN35_122B_A10B, (122, 10), "", "",
+                     "the values several third-party copies agree on, as the project's reference notes (section 11) "
+                     "record them; they name no copy, so none is cited"),
+    ThirdPartyConfig("397B-A17B", QWEN35_397B_A17B, (397, 17), "slime397b",
+                     "https://github.com/THUDM/slime/blob/main/scripts/models/qwen3.5-397B-A17B.sh",
+                     "THUDM/slime's model script (num-layers 60, hidden-size 4096, 512 experts, top-10, "
+                     "moe-ffn-hidden-size 1024, moe-shared-expert-intermediate-size 1024), with the values most "
+                     "copies agree on (reference notes, section 11)",
+                     "the shared expert: 1024 wide in slime's script and most copies, 4096 in one test fixture "
+                     "(Megatron-Bridge); 1024 is used", QWEN35_397B_A17B_WIDE_SHARED),
+)
+
 # ---- links between machines: the latency of one small all_sum (chapter 9's cost model) --------------------------
 @dataclass(frozen=True)
 class Link:
@@ -276,6 +313,8 @@ class Link:
     checked: bool
     where: str
     measured_on: str = "M3 Ultra"  # the machines (a `Memory` name of chapter 9) the latency was measured between
+    bandwidth_bits: float | None = None  # bits per second the source measured over the link; None: not published
+    medium: str = ""  # the cable and adapters between the machines, as the source names them
 
 
 LINKS = (
@@ -292,9 +331,33 @@ LINKS = (
 )
 
 
+# Between Strix Halo machines (Linux): TCP over Ethernet, and RDMA over Converged Ethernet (RoCE v2) on a NIC that
+# offers it. Thunderbolt RDMA is macOS's alone (Apple's RDMA over Thunderbolt, MLX's JACCL): none here.
+STRIX_HALO_LINKS = (
+    Link("tcp_strix_halo_1gbe", "TCP over 1 GbE", 74e-6, "about", "kyuz0rdma",
+         "https://github.com/kyuz0/amd-strix-halo-vllm-toolboxes/blob/main/rdma_cluster/setup_guide.md", True,
+         "setup guide, section 5.3, the expected output of its Ethernet-against-RDMA comparison script between two "
+         "Framework Desktop (Strix Halo, 128 GB) boards: \"Ethernet (1G LAN) 0.074 ms, 0.94 Gbps\"; used here as "
+         "the time of one step of an all_sum", "Strix Halo", 0.94e9, "the boards' 1 GbE LAN"),
+    Link("tcp_strix_halo_100gbe", "TCP over 100 GbE", 68e-6, "about", "kyuz0rdma",
+         "https://github.com/kyuz0/amd-strix-halo-vllm-toolboxes/blob/main/rdma_cluster/setup_guide.md", True,
+         "the same table: \"Ethernet (RoCE NIC) 0.068 ms, 55.70 Gbps\", TCP over an Intel E810 100 GbE card in "
+         "each board's PCIe x4 slot, a DAC cable between them; used here as the time of one step of an all_sum",
+         "Strix Halo", 55.70e9, "Intel E810-CQDA1 100 GbE cards, QSFP28 DAC cable, PCIe x4"),
+    Link("roce_strix_halo", "RoCE v2 over 100 GbE (RDMA)", 5.23e-6, "about", "kyuz0rdma",
+         "https://github.com/kyuz0/amd-strix-halo-vllm-toolboxes/blob/main/rdma_cluster/setup_guide.md", True,
+         "the same table: \"RDMA (RoCE) 5.23 us, 50.64 Gbps\" over the same cards (RCCL's transport in the "
+         "guide's vLLM cluster); used here as the time of one step of an all_sum", "Strix Halo", 50.64e9,
+         "Intel E810-CQDA1 100 GbE cards (RoCE v2, in-kernel irdma driver), QSFP28 DAC cable"),
+)
+MACHINE_LINKS = LINKS + STRIX_HALO_LINKS  # every link chapter 9 prices, each between the machines it was measured on
+THUNDERBOLT_5_BITS = 80e9  # Thunderbolt 5's symmetric rate per direction (USB4 version 2.0): the Mac links' bound
+
+
 def sources() -> set[str]:
     """Every bib key a published figure here rests on."""
-    return {r.source for r in FIELD + FAMILY} | {r.source for r in RELATIVE} | {k.source for k in LINKS}
+    return ({r.source for r in FIELD + FAMILY} | {r.source for r in RELATIVE} | {k.source for k in MACHINE_LINKS}
+            | {c.source for c in THIRD_PARTY_CONFIGS if c.source})
 
 
 # ---- the cost model's view of a row -------------------------------------------------------------------------
