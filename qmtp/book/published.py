@@ -475,3 +475,75 @@ def field_table(config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
             "why": explain(p), "prediction": p,
         })
     return rows
+
+
+# ---- the field under load: several requests decoded at once (chapter 11) -----------------------------------------
+@dataclass(frozen=True)
+class UnderLoad:
+    """A published figure of MTP (or of plain decoding beside it) with several requests decoded at once, as the
+    source gives it. `tps`: setting ("plain", "MTP, 4 requests", ...) -> tokens/s, aggregate over the requests;
+    `ratio`: setting -> (low, high) as the source gives it; `acceptance`: setting -> drafts accepted over
+    proposed. `mtp_kept`: whether the engine keeps drafting with more than one request."""
+
+    key: str
+    engine: str
+    hardware: str
+    model: str
+    requests: int | None  # None: any number above one
+    tps: dict = field(default_factory=dict)
+    ratio: dict = field(default_factory=dict)
+    acceptance: dict = field(default_factory=dict)
+    mtp_kept: bool = True
+    source: str = ""  # bib key in book/references.bib
+    url: str = ""
+    checked: bool = False  # the figures were read at the source (here: in the thread's text) when written
+    where: str = ""
+
+
+UNDER_LOAD = (
+    UnderLoad("vllm_mlx_m3_ultra_8", "vllm-mlx", "Apple M3 Ultra", "Qwen3.5-35B-A3B-4bit (MLX)", 8,
+              tps={"plain": 302.3, "MTP switched on": 307.3}, mtp_kept=False, source="vllmmlx245",
+              url="https://github.com/waybarrios/vllm-mlx/pull/245", checked=True,
+              where="pull request description, benchmark table for Qwen3.5-35B-A3B-4bit: at 8 concurrent requests "
+                    "MTP is skipped (\"MTP auto-disables when batch > 1\"), 307.3 tok/s against the 302.3 of the "
+                    "server without it; one request: 73.7 -> 85.9 tok/s (`FIELD`)"),
+    UnderLoad("llama_cpp_4_slots", "llama.cpp (b10310)", "machine not named", "model not named", 4,
+              ratio={"4 slots with MTP over 1 slot with MTP": (1.97, 1.97)}, source="unsloth8172",
+              url="https://github.com/unslothai/unsloth/pull/8172", checked=True,
+              where="pull request 8172 (Unsloth Studio), the comment that replaces the one-slot clamp: \"on b10310 "
+                    "four slots with MTP measured 1.97x the batch throughput of one, and still beat four without "
+                    "it\"; the clamp had been added for a draft-acceptance collapse above one slot (#7717)"),
+    UnderLoad("omlx_batched_depth_1", "oMLX", "machine not named", "Qwen3.6", 4,
+              acceptance={"one stream": 0.61, "batched": 0.56}, source="omlx3265",
+              url="https://github.com/jundot/omlx/issues/3265", checked=False,
+              where="as summarised in this project's reference notes (section 11): batched depth-1 MTP keeps ~56% "
+                    "acceptance (61% one stream)"),
+    UnderLoad("omlx_flash_next_4", "oMLX (batched MTP, #3265)", "Apple M3 Ultra", "Qwen3.8-Flash-Next oQ4e-mtp", 4,
+              ratio={"per request, batched MTP (depth 5) over plain batching": (1.70, 1.90)}, source="omlx3265",
+              url="https://github.com/jundot/omlx/issues/1550", checked=True,
+              where="issue 1550, a comment of 2026-09-09 on the change #3265: 26-32 tok/s per session at 4-way "
+                    "concurrency, depth 5, greedy, \"roughly 70-90% above the pure-batching baseline\""),
+    UnderLoad("omlx_rowwise_m3_ultra", "oMLX (row-wise batched MTP)", "Apple M3 Ultra", "model not named", 4,
+              tps={"plain batched, 2 requests": 65.2, "MTP, 2 requests": 53.3, "plain batched, 4 requests": 86.5,
+                   "MTP, 4 requests": 52.5}, mtp_kept=False, source="omlx3569",
+              url="https://github.com/jundot/omlx/issues/3569", checked=True,
+              where="issue 3569, a comment quoting the docstring of `batch_generator._rowwise_batch_mtp_enabled`: "
+                    "row-wise MTP 53.3/52.5 tok/s aggregate at batch 2/4 against 65.2/86.5 for standard batched "
+                    "decode, so the opt-in stays off and MTP runs on single-row steps only"),
+    UnderLoad("mlx_lm_990_server", "mlx-lm (PR 990)", "any", "Qwen3.5/3.6", None, mtp_kept=False, source="mlxlm990",
+              url="https://github.com/ml-explore/mlx-lm/pull/990", checked=False,
+              where="as summarised in this project's reference notes (section 11): its server turns MTP off while "
+                    "batching"),
+    UnderLoad("replayssm_b300", "vLLM with ReplaySSM", "NVIDIA B300", "hybrid SSM models, NVFP4", 16,
+              ratio={"speculative (4 drafts) over plain": (1.87, 1.96)}, source="vllm49232",
+              url="https://github.com/vllm-project/vllm/issues/49232", checked=False,
+              where="RFC 49232 and its pull requests (as summarised in this project's reference notes, section 11): "
+                    "vLLM's native path keeps one state snapshot per draft token, whose cost grows with the draft, "
+                    "\"which is why the native path can fall below plain standard decode at serving batch\" (PR "
+                    "49847); replaying cached inputs instead reaches 1.87-1.96x with 4 drafts"),
+)
+
+
+def under_load_sources() -> set[str]:
+    """Every bib key a figure of `UNDER_LOAD` rests on."""
+    return {r.source for r in UNDER_LOAD}
