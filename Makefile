@@ -21,7 +21,7 @@ venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	if [ -f $(ROCM_MARK) ]; then \
-	  $(VPIP) install -e '.[book,test]'; \
+	  $(VPIP) install -e '.[book,test,serve]'; \
 	else \
 	  $(VPIP) install -r requirements.txt; \
 	fi
@@ -62,8 +62,14 @@ book: venv vendor openblas
 # notebook and turns each warning into an error) is built as well, and then a headless browser reads every
 # page of it offline (tests/test_browser.py; its first, pre-book run skips itself). Before that there is
 # nothing to run.
+# The suite runs on TEST_JOBS workers (pytest-xdist, one test file per worker so that a module's fixtures are built
+# once), then the tests marked `alone` on their own: the full-size ones need nearly all of a 24 GB machine's memory,
+# which a second worker would take (they would skip, saying so, rather than fail).
+TEST_JOBS ?= $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: venv test-deps
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not alone"
+	$(VPY) -m pytest -q -m alone
 	@if ls notebooks/*.py >/dev/null 2>&1; then \
 	  $(MAKE) --no-print-directory book && $(MAKE) --no-print-directory browser-test; \
 	else \
@@ -107,5 +113,5 @@ rocm-venv:
 	fi
 	test -x $(VPY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	touch $(ROCM_MARK)
-	$(VPIP) install -e '.[book,test]'
+	$(VPIP) install -e '.[book,test,serve]'
 	touch $(STAMP)

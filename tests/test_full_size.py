@@ -171,12 +171,13 @@ def full_source(workdir):
 
 
 @pytest.mark.slow
-def test_full_size_end_to_end(workdir):
-    need_disk = synthetic.stored_bytes(FULL, sparse=True) + 25e9  # the 4-bit output is about 21 GB
+@pytest.mark.alone
+def test_full_size_end_to_end(full_source, workdir):
+    need_disk = 25e9  # the 4-bit output is about 21 GB, beside the source
     free = shutil.disk_usage(workdir).free
     if free < need_disk + 5e9:
-        pytest.skip(f"{workdir}: the full-size sparse source and its 4-bit conversion need about "
-                    f"{need_disk / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB are free")
+        pytest.skip(f"{workdir}: the full-size 4-bit conversion needs about {need_disk / 1e9:.0f} GB of disk, "
+                    f"{free / 1e9:.0f} GB are free")
     import gc
 
     import mlx.core as mx
@@ -187,11 +188,9 @@ def test_full_size_end_to_end(workdir):
     if room < FULL_SIZE_CHAT_BYTES:
         pytest.skip(f"chatting with the 4-bit full-size model needs about {FULL_SIZE_CHAT_BYTES / 2**30:.1f} GiB "
                     f"of memory; this machine leaves {room / 2**30:.1f} GiB")
-    source = synthetic.write_preset(workdir / "full-e2e", "qwen3.6-35b-a3b", sparse=True, progress=False)
     try:
-        print(end_to_end(source, workdir / "full-q4"))
+        print(end_to_end(full_source, workdir / "full-q4"))
     finally:
-        shutil.rmtree(workdir / "full-e2e", ignore_errors=True)
         shutil.rmtree(workdir / "full-q4", ignore_errors=True)
 
 
@@ -222,6 +221,7 @@ assert set(widths) == {"bf16", 4}, widths
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_budgeted_chapters_fit_the_memory_the_page_states(full_source):
     from qmtp.book import budget
     from qmtp.sizes import UNQUANTIZED

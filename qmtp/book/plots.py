@@ -411,7 +411,7 @@ def grouped_bars(labels, series: dict, ylabel: str, xlabel: str | None = None, y
 
 
 def machines_scaling(rows: list[dict], memory: str):
-    """Predicted tokens/s against the number of machines (rows of `qmtp.book.beyond.prediction_rows`) at one
+    """Predicted tokens/s against the number of machines (rows of `qmtp.book.beyond.scaling_rows`) at one
     memory: per link, plain decoding (dashed) and the best n_draft (solid, its n_draft written by each point)."""
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
     links = list(dict.fromkeys(r["link"] for r in rows if r["memory"] == memory))
