@@ -120,7 +120,7 @@ SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_te
               digests.FILE)
 ABSENT = bytes(digests.SIZE)  # the digest of a file a rank does not have
 TAKING_PART = b"qmtp:same-model!"  # what every rank sends first in a comparison (16 bytes)
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # hashlib releases the GIL: hashing beside the reading
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # the hash releases the GIL: hashing beside the reading
 PENDING_BYTES = 256 << 20  # tensor bytes kept alive for hashing at most, past which the reader waits
 
 
@@ -206,7 +206,10 @@ class Holdings:
         view = tensor_bytes(raw)
         first = (None,) if rows is None else range(*rows)
         units = [self.units[(name, row)] for row in first]
-        task = digests.rows_of if rows is not None else (lambda data, _: [digests.of(data)])
+        # a conversion's digests are checked with the algorithm it recorded them with; ranks without any compare theirs
+        algorithm = self.manifest.algorithm if self.manifest is not None else digests.ALGORITHM
+        task = ((lambda data, count: digests.rows_of(data, count, algorithm)) if rows is not None
+                else (lambda data, _: [digests.of(data, algorithm)]))
         self.pending.append((self.pool.submit(self._hash, task, view, len(units), units), len(view)))
         self.pending_bytes += len(view)
         # done hashes let their bytes go; past PENDING_BYTES the reader waits for the oldest

@@ -151,3 +151,16 @@ def test_digests_of_rows_do_not_depend_on_how_the_bytes_are_cut():
     whole.update(data[:5])
     whole.update(data[5:])
     assert whole.result() == digests.of(data).hex()
+
+
+def test_a_conversion_recorded_with_sha256_is_checked_with_sha256(tmp_path):
+    """Conversions written before the digests were XXH3 record sha256's: read as such, never refused or compared
+    against the other algorithm's bytes."""
+    import hashlib
+
+    data = bytes(range(256)) * 4
+    (tmp_path / digests.FILE).write_text(json.dumps({"algorithm": digests.SHA256, "tensors": {
+        "t": hashlib.sha256(data).digest()[:16].hex()}, "rows": {}}))
+    manifest = digests.read(tmp_path, {digests.METADATA_KEY: digests.FILE})
+    assert manifest.algorithm == digests.SHA256
+    assert manifest.whole("t") == digests.of(data, manifest.algorithm) != digests.of(data)

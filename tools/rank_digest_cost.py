@@ -1,6 +1,7 @@
 """What the ranks' digests cost at load (issue 32 item 1): on each rank of a group, `qmtp.load(path, group=...)`
 timed as it is (every loaded tensor hashed beside the reading and checked) and with the hashing and the check
-switched off, alternating, the page cache warm for both. Rank 0 prints one JSON line of the medians.
+switched off, alternating, the page cache warm for both, each until every rank has loaded. Rank 0 prints one JSON
+line of the medians.
 
     python tools/rank_digest_cost.py CHECKPOINT [ROUNDS]
 
@@ -38,6 +39,9 @@ def rank_main(path: str, rounds: int) -> None:
             mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # both ranks start together
             started = time.perf_counter()
             model = qmtp.load(path, group=group, tokenizer=False)
+            # until every rank has loaded: the check ends in a collective that waits for the slowest rank, and
+            # decoding's first collective would wait for it without the check too
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
             times[mode].append(time.perf_counter() - started)
             del model
             mx.clear_cache()
