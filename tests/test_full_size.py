@@ -208,10 +208,9 @@ opts = dict(layers=budget.LAYERS, head=False)
 texts = evaluate.heldout_texts(1)[:budget.FIXES_TEXTS]
 measure = dict(max_tokens=budget.FIXES_TOKENS, length=budget.TEXT_TOKENS)
 prompt = "Once upon a time"
-# chapter 2: a load without the norm fix, a conv mistake MLX refuses, the +1 applied twice
-assert mistakes.outcome(lambda: qmtp.load(path, fixes=("conv",), **opts), texts, prompt, **measure)["runs"]
-assert not mistakes.outcome(lambda: mistakes.with_conv_mistake(path, "left as stored, [C, 1, K]", **opts), texts,
-                            prompt, **measure)["runs"]
+# chapter 2: the +1 applied twice. Its other variants (a load without the norm fix, a conv mistake MLX refuses)
+# load the same tensors at the same widths through the same `mistakes.outcome` and do less with them (no fix
+# applied after loading; refused at the first forward), so this one's peak bounds theirs (CI time, issue 33)
 assert mistakes.outcome(lambda: mistakes.with_norm_shift(path, "shifted twice (2 + w), a re-conversion", **opts),
                         texts, prompt, **measure)["runs"]
 # chapter 4: a trunk width rounded in memory on the first layers (chapter 3 loads the same first layers)
