@@ -24,6 +24,16 @@
 # and the budget that keeps the whole book within a 64 GB or a 128 GB machine. Sizes are computed from the
 # release's config (`qmtp.sizes`), times from what chapter 6 measured in this build (`qmtp.book.budget`).
 #
+# ## Installing, per backend
+#
+# qmtp's extras pick MLX's build: `pip install -e '.[cpu]'` (MLX's CPU wheel, Linux), `'.[cuda]'` (MLX's CUDA
+# wheel, an NVIDIA GPU), `'.[metal]'` (MLX itself, which computes on Apple silicon's GPU through Metal). ROCm has
+# no extra: `make rocm-venv` makes the project's venv with `--system-site-packages`, marks it as a ROCm venv and
+# installs qmtp without any extra, so that the MLX built for the machine's AMD GPU, installed outside the venv,
+# stays the one imported (an extra, or `requirements.txt`, would put an MLX wheel in front of it). Where that ROCm
+# build of MLX comes from is the reader's to supply: this page does not name a published ROCm wheel of MLX (an
+# assumption that none is on PyPI, not checked here). `python -m qmtp doctor` says which backend was imported.
+#
 # ## The weights
 #
 # The official bf16 weights are the Hugging Face repository `Qwen/Qwen3.6-35B-A3B`. With the `huggingface_hub`
@@ -49,7 +59,7 @@ import textwrap
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import budget, inventory, results
+from qmtp.book import budget, inventory, machine, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -116,10 +126,12 @@ display(Markdown(inventory.markdown_table(plan, list(plan[0]), formats)))
 peak = max(r["memory GiB"] for r in plan)
 glue("budget_layers", budget.LAYERS, display=False)
 glue("budget_bits", budget.BITS, display=False)
-glue("plan_minutes", sum(r["minutes"] for r in plan), display=False)
 glue("plan_peak", peak, display=False)
 glue("plan_disk", release["disk GB"] + sum(r["disk GB"] for r in plan), display=False)
 glue("plan_fits", budget.machines_phrase(budget.fitting(peak * GIB, runtime=False)), display=False)
+build_gib = machine.memory_bytes() / GIB if machine.memory_bytes() else None
+glue("build_gib", build_gib or 0.0, display=False)
+glue("book_time", budget.whole_book_sentence(plan, build_gib), display=False)
 glue("measured_layers", seconds["measured_layers"], display=False)
 glue("measured_ms", seconds["first_layers"] * 1e3, display=False)
 glue("full_pass_s", seconds["full"], display=False)
@@ -135,8 +147,8 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # is what it writes. Under the budget the book peaks at {glue:text}`plan_peak:.1f` GiB, which fits
 # {glue:text}`plan_fits`, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
 #
-# **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
-# the machine that built this page (named in the {doc}`execution table <../book/execution>`). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
+# **The minutes are a prediction**, not a measurement, for the machine that built this page (named in the
+# {doc}`execution table <../book/execution>`): {glue:text}`book_time` Chapter 6 timed a plain pass of {glue:text}`measured_layers`
 # layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
 # {glue:text}`head_draft_ms:.0f` ms (a draft is one layer, but it ends in `lm_head`, the product with all
 # {glue:text}`real_vocab` rows of the vocabulary, which a pass of only a few layers pays once too); scaled by
@@ -158,6 +170,13 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # {glue:text}`q4_bf16:.1f` GiB loaded, and with the runtime's {glue:text}`runtime_gb:.1f` GiB it fits
 # {glue:text}`q4_fits_mac`. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
 # against a float64 reference before you trust their numbers.
+#
+# ## On several machines
+#
+# The chat command spreads the routed experts over ranks: `python -m qmtp chat q4 --ranks 2` runs two ranks on
+# this host (`mlx.launch`, MLX's ring backend), and `python -m qmtp chat q4 --hostfile hosts.json` runs them on
+# the hosts of an `mlx.launch` hostfile; `--timeout S` ends every rank after S seconds. Which link pays between
+# which machines, the hostfile and what to check first are in {doc}`chapter 9's how-to <09_beyond>`.
 #
 # ## Five lines
 #

@@ -87,3 +87,11 @@ def test_fitting_machines_are_named_as_the_prose_says():
     assert budget.machines_phrase([128]) == "a 128 GB machine"
     assert budget.machines_phrase([64, 128]) == "a 64 GB or a 128 GB machine"
     assert budget.machines_phrase([]) == "neither machine"
+
+
+def test_whole_book_time_is_given_only_for_a_machine_that_holds_the_peak():
+    plan = [{"memory GiB": 27.8, "minutes": 20.0}, {"memory GiB": 10.0, "minutes": 15.0}]
+    assert "no whole-book time" in budget.whole_book_sentence(plan, 24.0)
+    assert "35 minutes" not in budget.whole_book_sentence(plan, 24.0)
+    assert budget.whole_book_sentence(plan, 64.0) == "35 minutes for the whole book."
+    assert "could not be read" in budget.whole_book_sentence(plan, None)

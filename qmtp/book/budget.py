@@ -281,3 +281,16 @@ def plan(chapter: str) -> str:
     real-checkpoint page)."""
     text = _plans()[chapter]
     return text[0].upper() + text[1:] + "."
+
+
+def whole_book_sentence(plan: list[dict], machine_gib: float | None) -> str:
+    """The whole book's predicted minutes on a machine of `machine_gib` GiB, only where that machine holds the
+    budget's peak (`chapters`' largest "memory GiB"); otherwise why no time is given."""
+    peak = max(r["memory GiB"] for r in plan)
+    if machine_gib is None:
+        return "its memory could not be read, so no whole-book time is given."
+    if machine_gib < peak:
+        return (f"it has {machine_gib:.0f} GiB of memory and the budget peaks at {peak:.1f} GiB, so it cannot run "
+                f"the book at full size and no whole-book time is given for it (the table's minutes price each "
+                f"chapter's passes at its measured speed as if it had the memory).")
+    return f"{sum(r['minutes'] for r in plan):.0f} minutes for the whole book."
