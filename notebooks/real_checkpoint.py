@@ -30,9 +30,13 @@
 # wheel, an NVIDIA GPU), `'.[metal]'` (MLX itself, which computes on Apple silicon's GPU through Metal). ROCm has
 # no extra: `make rocm-venv` makes the project's venv with `--system-site-packages`, marks it as a ROCm venv and
 # installs qmtp without any extra, so that the MLX built for the machine's AMD GPU, installed outside the venv,
-# stays the one imported (an extra, or `requirements.txt`, would put an MLX wheel in front of it). Where that ROCm
-# build of MLX comes from is the reader's to supply: this page does not name a published ROCm wheel of MLX (an
-# assumption that none is on PyPI, not checked here). `python -m qmtp doctor` says which backend was imported.
+# stays the one imported (an extra, or `requirements.txt`, would put an MLX wheel in front of it). MLX's own
+# repository has no released ROCm backend: support is an open feature request
+# ([ml-explore/mlx#2556](https://github.com/ml-explore/mlx/issues/2556)) and an open, experimental pull request
+# ([ml-explore/mlx#2300](https://github.com/ml-explore/mlx/pull/2300), "[Experiment] ROCm backend"), whose thread
+# shows builds from source with HIP for `gfx1151` (Strix Halo). So a ROCm MLX today is one the reader builds from
+# that branch (or a fork of it); that no ROCm wheel is published is an assumption from those threads, not checked
+# against every index. `python -m qmtp doctor` says which backend was imported.
 #
 # ## The weights
 #
@@ -168,7 +172,21 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # the accelerator. There qmtp keeps the weights that are not quantized in bfloat16 (`qmtp.load` picks float32
 # only on the CPU, whose expert kernel computes only in float32), so the 4-bit conversion takes
 # {glue:text}`q4_bf16:.1f` GiB loaded, and with the runtime's {glue:text}`runtime_gb:.1f` GiB it fits
-# {glue:text}`q4_fits_mac`. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
+# {glue:text}`q4_fits_mac`, as far as the GPU may take that memory:
+#
+# - **macOS** caps how much unified memory the GPU may wire (lock); `sudo sysctl iogpu.wired_limit_mb` reads the
+#   cap and `sudo sysctl iogpu.wired_limit_mb=N` raises it until reboot, 0 meaning the system's default
+#   ([Posaceanu](https://ark.marianposaceanu.com/apple_silicon_gpu_memory_blog)). Third-party pages put that
+#   default at roughly two thirds to three quarters of the memory
+#   ([thinkdifferent.blog](https://www.thinkdifferent.blog/blog/the-macbook-pro-setting-that-doubles-your-ai-performance/));
+#   an assumption, not measured here: on a Mac whose memory only just holds the model, raise the cap first.
+# - **Strix Halo** splits its memory twice: a fixed carve-out set in the BIOS (the UMA frame buffer, "iGPU memory
+#   size") and GTT, system memory the kernel driver maps into the GPU's address space on demand, limited by
+#   kernel options (`amdgpu.gttsize`, `ttm.pages_limit`)
+#   ([AMD, Strix Halo system optimization](https://rocm.docs.amd.com/en/latest/how-to/system-optimization/strixhalo.html)).
+#   The model must fit what the carve-out and GTT together allow the GPU, not the machine's total.
+#
+# Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
 # against a float64 reference before you trust their numbers.
 #
 # ## On several machines
