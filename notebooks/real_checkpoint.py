@@ -221,3 +221,28 @@ out = qmtp.generate(model, messages=chat, enable_thinking=False, max_tokens=64, 
 print(textwrap.fill(out.text, 72))
 print(f"acceptance {out.stats.acceptance_rate:.2f}, "
       f"{out.stats.tokens_per_second:.1f} tokens/s")
+
+# %% [markdown]
+# ## A conversation
+#
+# `qmtp.Conversation` keeps the decoding state between turns, so a later turn prefills only the tokens its
+# prompt does not share with what the model has already run; a fresh `generate` of the same history prefills
+# all of them. Timed here on the model of this build:
+
+# %%
+conversation = qmtp.Conversation(model, enable_thinking=False, n_draft=2, max_tokens=32)
+conversation.send("Tell me a story.")
+second = conversation.send("Tell me another story.")
+fresh = qmtp.generate(model, messages=conversation.messages[:-1], enable_thinking=False, max_tokens=32, n_draft=2)
+for name, g in (("second turn", second), ("fresh run", fresh)):
+    print(name, "prefilled", g.stats.prefilled_tokens, "of", g.stats.prompt_tokens, "prompt tokens,",
+          round(g.stats.prefill_seconds * 1e3), "ms")
+
+# %% tags=["remove-cell"]
+glue("conv_same", "the same reply" if second.text == fresh.text else "a different reply", display=False)
+glue("conv_saved", fresh.stats.prefilled_tokens - second.stats.prefilled_tokens, display=False)
+
+# %% [markdown]
+# The second turn ran {glue:text}`conv_saved` fewer prompt tokens than the fresh run and gave
+# {glue:text}`conv_same`. On the bundled model a prefill is milliseconds either way; on the real model every
+# prompt token is a position of a full pass, so the tokens saved are what a long conversation saves.
