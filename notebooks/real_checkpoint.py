@@ -56,6 +56,9 @@
 # ```
 #
 # Each chapter prints which model it uses in its first cell.
+#
+# Convert once, to the 4-bit model the chapters decode with (`python -m qmtp convert ~/models/Qwen3.6-35B-A3B q4
+# --bits 4`). {glue:text}`conversion_time`
 
 # %% tags=["hide-input"]
 import textwrap
@@ -77,6 +80,7 @@ glue("q4_gb", widths[-1]["disk GB"], display=False)
 glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
 glue("q4_bf16", widths[-1]["loaded GiB, bf16"], display=False)
 glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
+glue("conversion_time", budget.conversion_sentence(budget.saved_conversion()), display=False)
 
 GIB = 2**30
 glue("release_fits_f32", budget.machines_phrase(budget.fitting(release["loaded GiB, float32"] * GIB)),
