@@ -326,4 +326,4 @@ def conversion_sentence(report: dict | None, config: ModelConfig = QWEN36_35B_A3
     return (f"Measured outside the build ({report['where']}, {report['when']}), `qmtp convert` turned the full-size "
             f"sparse synthetic checkpoint ({report['source_bytes'] / 1e9:.0f} GB apparent) into a {report['bits']}-bit "
             f"one in {qmtp_run['seconds'] / 60:.1f} min, peak {qmtp_run['peak_rss_bytes'] / 2**30:.1f} GiB "
-            f"(`cp` of the same source: {cp_run['seconds']:.0f} s, holes skipped). {floor}")
+            f"(`cp` of the same source: {cp_run['seconds']:.0f} s, holes skipped; the experts are holes, read as zeros from no disk, so the source cost no disk reads). {floor}")
