@@ -66,7 +66,7 @@ import textwrap
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import budget, inventory, machine, results
+from qmtp.book import budget, cost_model, inventory, machine, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -81,6 +81,7 @@ glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
 glue("q4_bf16", widths[-1]["loaded GiB, bf16"], display=False)
 glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
 glue("conversion_time", budget.conversion_sentence(budget.saved_conversion()), display=False)
+glue("model_verdict", cost_model.verdict(), display=False)
 
 GIB = 2**30
 glue("release_fits_f32", budget.machines_phrase(budget.fitting(release["loaded GiB, float32"] * GIB)),
@@ -192,6 +193,12 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 #
 # Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
 # against a float64 reference before you trust their numbers.
+#
+# ## Decoding speed per kind of hardware
+#
+# What a reader's machine decodes at, with and without MTP, and which `n_draft` to set, is the findings page's
+# {doc}`bottom line <findings>` (Strix Halo, Apple M-series, NVIDIA GPUs, a CPU), from the calibrated cost model
+# (`qmtp.book.cost_model.bottom_line`). How far to trust it: {glue:text}`model_verdict`
 #
 # ## On several machines
 #
