@@ -24,6 +24,20 @@
 # and the budget that keeps the whole book within a 64 GB or a 128 GB machine. Sizes are computed from the
 # release's config (`qmtp.sizes`), times from what chapter 6 measured in this build (`qmtp.book.budget`).
 #
+# ## Installing, per backend
+#
+# qmtp's extras pick MLX's build: `pip install -e '.[cpu]'` (MLX's CPU wheel, Linux), `'.[cuda]'` (MLX's CUDA
+# wheel, an NVIDIA GPU), `'.[metal]'` (MLX itself, which computes on Apple silicon's GPU through Metal). ROCm has
+# no extra: `make rocm-venv` makes the project's venv with `--system-site-packages`, marks it as a ROCm venv and
+# installs qmtp without any extra, so that the MLX built for the machine's AMD GPU, installed outside the venv,
+# stays the one imported (an extra, or `requirements.txt`, would put an MLX wheel in front of it). MLX's own
+# repository has no released ROCm backend: support is an open feature request
+# ([ml-explore/mlx#2556](https://github.com/ml-explore/mlx/issues/2556)) and an open, experimental pull request
+# ([ml-explore/mlx#2300](https://github.com/ml-explore/mlx/pull/2300), "[Experiment] ROCm backend"), whose thread
+# shows builds from source with HIP for `gfx1151` (Strix Halo). So a ROCm MLX today is one the reader builds from
+# that branch (or a fork of it); that no ROCm wheel is published is an assumption from those threads, not checked
+# against every index. `python -m qmtp doctor` says which backend was imported.
+#
 # ## The weights
 #
 # The official bf16 weights are the Hugging Face repository `Qwen/Qwen3.6-35B-A3B`. With the `huggingface_hub`
@@ -42,6 +56,9 @@
 # ```
 #
 # Each chapter prints which model it uses in its first cell.
+#
+# Convert once, to the 4-bit model the chapters decode with (`python -m qmtp convert ~/models/Qwen3.6-35B-A3B q4
+# --bits 4`). {glue:text}`conversion_time`
 
 # %% tags=["hide-input"]
 import textwrap
@@ -49,7 +66,7 @@ import textwrap
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
-from qmtp.book import budget, inventory, results
+from qmtp.book import budget, cost_model, inventory, machine, results
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -63,6 +80,8 @@ glue("q4_gb", widths[-1]["disk GB"], display=False)
 glue("q4_f32", widths[-1]["loaded GiB, float32"], display=False)
 glue("q4_bf16", widths[-1]["loaded GiB, bf16"], display=False)
 glue("real_vocab", f"{qmtp.QWEN36_35B_A3B.vocab_size:,}", display=False)
+glue("conversion_time", budget.conversion_sentence(budget.saved_conversion()), display=False)
+glue("model_verdict", cost_model.verdict(), display=False)
 
 GIB = 2**30
 glue("release_fits_f32", budget.machines_phrase(budget.fitting(release["loaded GiB, float32"] * GIB)),
@@ -116,10 +135,12 @@ display(Markdown(inventory.markdown_table(plan, list(plan[0]), formats)))
 peak = max(r["memory GiB"] for r in plan)
 glue("budget_layers", budget.LAYERS, display=False)
 glue("budget_bits", budget.BITS, display=False)
-glue("plan_minutes", sum(r["minutes"] for r in plan), display=False)
 glue("plan_peak", peak, display=False)
 glue("plan_disk", release["disk GB"] + sum(r["disk GB"] for r in plan), display=False)
 glue("plan_fits", budget.machines_phrase(budget.fitting(peak * GIB, runtime=False)), display=False)
+build_gib = machine.memory_bytes() / GIB if machine.memory_bytes() else None
+glue("build_gib", build_gib or 0.0, display=False)
+glue("book_time", budget.whole_book_sentence(plan, build_gib), display=False)
 glue("measured_layers", seconds["measured_layers"], display=False)
 glue("measured_ms", seconds["first_layers"] * 1e3, display=False)
 glue("full_pass_s", seconds["full"], display=False)
@@ -135,8 +156,8 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # is what it writes. Under the budget the book peaks at {glue:text}`plan_peak:.1f` GiB, which fits
 # {glue:text}`plan_fits`, and needs {glue:text}`plan_disk:.0f` GB of disk with the release.
 #
-# **The minutes are a prediction**, not a measurement: {glue:text}`plan_minutes:.0f` minutes for the whole book on
-# the machine that built this page (named in the {doc}`execution table <../book/execution>`). Chapter 6 timed a plain pass of {glue:text}`measured_layers`
+# **The minutes are a prediction**, not a measurement, for the machine that built this page (named in the
+# {doc}`execution table <../book/execution>`): {glue:text}`book_time` Chapter 6 timed a plain pass of {glue:text}`measured_layers`
 # layers of {glue:text}`measured_on` at {glue:text}`measured_ms:.0f` ms and a head draft at
 # {glue:text}`head_draft_ms:.0f` ms (a draft is one layer, but it ends in `lm_head`, the product with all
 # {glue:text}`real_vocab` rows of the vocabulary, which a pass of only a few layers pays once too); scaled by
@@ -156,8 +177,35 @@ glue("measured_on", "the real model itself" if throughput_saved["real_width_on_m
 # the accelerator. There qmtp keeps the weights that are not quantized in bfloat16 (`qmtp.load` picks float32
 # only on the CPU, whose expert kernel computes only in float32), so the 4-bit conversion takes
 # {glue:text}`q4_bf16:.1f` GiB loaded, and with the runtime's {glue:text}`runtime_gb:.1f` GiB it fits
-# {glue:text}`q4_fits_mac`. Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
+# {glue:text}`q4_fits_mac`, as far as the GPU may take that memory:
+#
+# - **macOS** caps how much unified memory the GPU may wire (lock); `sudo sysctl iogpu.wired_limit_mb` reads the
+#   cap and `sudo sysctl iogpu.wired_limit_mb=N` raises it until reboot, 0 meaning the system's default
+#   ([Posaceanu](https://ark.marianposaceanu.com/apple_silicon_gpu_memory_blog)). Third-party pages put that
+#   default at roughly two thirds to three quarters of the memory
+#   ([thinkdifferent.blog](https://www.thinkdifferent.blog/blog/the-macbook-pro-setting-that-doubles-your-ai-performance/));
+#   an assumption, not measured here: on a Mac whose memory only just holds the model, raise the cap first.
+# - **Strix Halo** splits its memory twice: a fixed carve-out set in the BIOS (the UMA frame buffer, "iGPU memory
+#   size") and GTT, system memory the kernel driver maps into the GPU's address space on demand, limited by
+#   kernel options (`amdgpu.gttsize`, `ttm.pages_limit`)
+#   ([AMD, Strix Halo system optimization](https://rocm.docs.amd.com/en/latest/how-to/system-optimization/strixhalo.html)).
+#   The model must fit what the carve-out and GTT together allow the GPU, not the machine's total.
+#
+# Check the device with `python -m qmtp doctor`, which also runs the backend's quantized kernels
 # against a float64 reference before you trust their numbers.
+#
+# ## Decoding speed per kind of hardware
+#
+# What a reader's machine decodes at, with and without MTP, and which `n_draft` to set, is the findings page's
+# {doc}`bottom line <findings>` (Strix Halo, Apple M-series, NVIDIA GPUs, a CPU), from the calibrated cost model
+# (`qmtp.book.cost_model.bottom_line`). How far to trust it: {glue:text}`model_verdict`
+#
+# ## On several machines
+#
+# The chat command spreads the routed experts over ranks: `python -m qmtp chat q4 --ranks 2` runs two ranks on
+# this host (`mlx.launch`, MLX's ring backend), and `python -m qmtp chat q4 --hostfile hosts.json` runs them on
+# the hosts of an `mlx.launch` hostfile; `--timeout S` ends every rank after S seconds. Which link pays between
+# which machines, the hostfile and what to check first are in {doc}`chapter 9's how-to <09_beyond>`.
 #
 # ## Five lines
 #
@@ -184,3 +232,28 @@ out = qmtp.generate(model, messages=chat, enable_thinking=False, max_tokens=64, 
 print(textwrap.fill(out.text, 72))
 print(f"acceptance {out.stats.acceptance_rate:.2f}, "
       f"{out.stats.tokens_per_second:.1f} tokens/s")
+
+# %% [markdown]
+# ## A conversation
+#
+# `qmtp.Conversation` keeps the decoding state between turns, so a later turn prefills only the tokens its
+# prompt does not share with what the model has already run; a fresh `generate` of the same history prefills
+# all of them. Timed here on the model of this build:
+
+# %%
+conversation = qmtp.Conversation(model, enable_thinking=False, n_draft=2, max_tokens=32)
+conversation.send("Tell me a story.")
+second = conversation.send("Tell me another story.")
+fresh = qmtp.generate(model, messages=conversation.messages[:-1], enable_thinking=False, max_tokens=32, n_draft=2)
+for name, g in (("second turn", second), ("fresh run", fresh)):
+    print(name, "prefilled", g.stats.prefilled_tokens, "of", g.stats.prompt_tokens, "prompt tokens,",
+          round(g.stats.prefill_seconds * 1e3), "ms")
+
+# %% tags=["remove-cell"]
+glue("conv_same", "the same reply" if second.text == fresh.text else "a different reply", display=False)
+glue("conv_saved", fresh.stats.prefilled_tokens - second.stats.prefilled_tokens, display=False)
+
+# %% [markdown]
+# The second turn ran {glue:text}`conv_saved` fewer prompt tokens than the fresh run and gave
+# {glue:text}`conv_same`. On the bundled model a prefill is milliseconds either way; on the real model every
+# prompt token is a position of a full pass, so the tokens saved are what a long conversation saves.

@@ -87,3 +87,19 @@ def test_fitting_machines_are_named_as_the_prose_says():
     assert budget.machines_phrase([128]) == "a 128 GB machine"
     assert budget.machines_phrase([64, 128]) == "a 64 GB or a 128 GB machine"
     assert budget.machines_phrase([]) == "neither machine"
+
+
+def test_whole_book_time_is_given_only_for_a_machine_that_holds_the_peak():
+    plan = [{"memory GiB": 27.8, "minutes": 20.0}, {"memory GiB": 10.0, "minutes": 15.0}]
+    assert "no whole-book time" in budget.whole_book_sentence(plan, 24.0)
+    assert "35 minutes" not in budget.whole_book_sentence(plan, 24.0)
+    assert budget.whole_book_sentence(plan, 64.0) == "35 minutes for the whole book."
+    assert "could not be read" in budget.whole_book_sentence(plan, None)
+
+
+def test_conversion_sentence_reports_a_saved_run_and_a_floor_otherwise():
+    assert "No full-size conversion was measured" in budget.conversion_sentence(None)
+    report = {"where": "here", "when": "today", "source_bytes": 71e9, "bits": 4,
+              "tools": {"qmtp": {"seconds": 600.0, "peak_rss_bytes": 2**31}, "cp": {"seconds": 5.0}}}
+    text = budget.conversion_sentence(report)
+    assert "here, today" in text and "10.0 min" in text and "2.0 GiB" in text

@@ -281,3 +281,49 @@ def plan(chapter: str) -> str:
     real-checkpoint page)."""
     text = _plans()[chapter]
     return text[0].upper() + text[1:] + "."
+
+
+def whole_book_sentence(plan: list[dict], machine_gib: float | None) -> str:
+    """The whole book's predicted minutes on a machine of `machine_gib` GiB, only where that machine holds the
+    budget's peak (`chapters`' largest "memory GiB"); otherwise why no time is given."""
+    peak = max(r["memory GiB"] for r in plan)
+    if machine_gib is None:
+        return "its memory could not be read, so no whole-book time is given."
+    if machine_gib < peak:
+        return (f"it has {machine_gib:.0f} GiB of memory and the budget peaks at {peak:.1f} GiB, so it cannot run "
+                f"the book at full size and no whole-book time is given for it (the table's minutes price each "
+                f"chapter's passes at its measured speed as if it had the memory).")
+    return f"{sum(r['minutes'] for r in plan):.0f} minutes for the whole book."
+
+
+# ---- the full-size conversion, measured outside the build ---------------------------------------------------------
+CONVERT_RESULT = Path(__file__).resolve().parents[2] / "book" / "measured" / "bench_convert_full.json"
+"""`bench_convert.run(preset="qwen3.6-35b-a3b", tools=("cp", "qmtp"))`'s report, with `where` and `when` added:
+the full-size conversion takes minutes, so it runs outside the build and the page reads what it saved."""
+ASSUMED_DISK_GB_PER_S = {"an NVMe SSD": 3.0, "a SATA SSD": 0.5}
+"""Sequential read rates assumed (not measured) to bound a reader's conversion from below."""
+
+
+def saved_conversion(path: Path = CONVERT_RESULT) -> dict | None:
+    """The saved full-size conversion report, or None where none was saved."""
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def conversion_sentence(report: dict | None, config: ModelConfig = QWEN36_35B_A3B) -> str:
+    """What the page says of a full-size conversion's time: the measured one, where and when, and a floor for a
+    reader's disk (reading the release and writing the conversion at an assumed rate each; the CPU's share of
+    the measured time does not carry to another machine, so no more is predicted)."""
+    release, converted = stored_bytes(config) / 1e9, stored_bytes(config, BITS) / 1e9
+    floors = "; ".join(f"on {disk} (assumed {rate:g} GB/s) at least {(release + converted) / rate / 60:.0f} min"
+                       for disk, rate in ASSUMED_DISK_GB_PER_S.items())
+    floor = (f"A reader's conversion moves at least {release:.0f} GB in and {converted:.0f} GB out: {floors}; "
+             f"what the CPU adds on top is not predicted here from one machine's measurement.")
+    if report is None:
+        return f"No full-size conversion was measured for this build (`python -m qmtp bench convert --preset ...`). {floor}"
+    qmtp_run, cp_run = report["tools"]["qmtp"], report["tools"]["cp"]
+    return (f"Measured outside the build ({report['where']}, {report['when']}), `qmtp convert` turned the full-size "
+            f"sparse synthetic checkpoint ({report['source_bytes'] / 1e9:.0f} GB apparent) into a {report['bits']}-bit "
+            f"one in {qmtp_run['seconds'] / 60:.1f} min, peak {qmtp_run['peak_rss_bytes'] / 2**30:.1f} GiB "
+            f"(`cp` of the same source: {cp_run['seconds']:.0f} s, holes skipped; the experts are holes, read as zeros from no disk, so the source cost no disk reads). {floor}")
