@@ -130,15 +130,19 @@ class Request:
 
 
 def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk,
-                 resume: _Held | None = None):
+                 resume: _Held | None = None, mark: int = 0, on_mark=None):
     """A joining prompt through the trunk alone (batch 1), `chunk()` tokens at a time, yielding between chunks
     (and the head over its positions but the last, when it drafts); from `resume`'s state when given (only the
-    tokens after the ones it holds are run). Returns (state, the trunk state at the last position [1, 1, H],
-    the first token, whether its logits were finite)."""
+    tokens after the ones it holds are run). A chunk ends at `mark` when it is inside the prompt, and
+    `on_mark(state)` gets the state there (the head has read position mark - 1 with the token at mark).
+    Returns (state, the trunk state at the last position [1, 1, H], the first token, whether its logits were
+    finite)."""
     state, at, length = _resumed(model, head, tokens, capacity, resume), 0, len(tokens)
     at = len(resume.ids) if resume is not None else 0
     while at < length:
         end = min(length, at + chunk())
+        if at < mark < end:
+            end = mark
         pre, post, _, state["layers"] = decoding.trunk_step(model, mx.array([tokens[at:end]], mx.int32), state,
                                                             record=False)
         state["offset"] = mx.array(end, mx.int32)
@@ -151,24 +155,57 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
         at = end
         if at < length:
             mx.eval(state)
+            if at == mark and on_mark is not None:
+                on_mark({**state, "head_offset": mx.array(at, mx.int32)} if head is not None else dict(state))
             yield at
     if head is not None:
         state["head_offset"] = mx.array(length - 1, mx.int32)
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
     if getattr(strategy, "by_position", False):  # coupled sampling: the first token's key is its position's
         key = strategy.key_at(key, length)
-    first, _ = strategy.pick(logits, key)
+    history = None
+    if strategy.history:  # penalties: nothing generated yet, and the prompt's tokens (a held state's are not
+        state.update(_fresh_history(logits.shape[-1], tokens))  # this request's: `_hold` drops them)
+        history = (state["counts"][None], state["prompt_seen"])
+    first, _ = strategy.pick(logits, key, history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
     return state, h[:, -1:], int(first.item()), bool(finite.item())
 
 
-class _Held:
-    """A finished row's state, kept for a later prompt that continues its ids (`ContinuousBatch`'s cache): the
-    ids its trunk state holds, the state (batch 1), the last pass (what its head has not read yet)."""
+def _fresh_history(vocab: int, prompt: list[int]) -> dict:
+    """A penalised row's history before its first token: no token generated, the prompt's tokens seen."""
+    seen = np.zeros(vocab, np.bool_)
+    seen[prompt] = True
+    return {"counts": mx.zeros((vocab,), mx.float32), "prompt_seen": mx.array(seen)}
 
-    def __init__(self, ids: tuple[int, ...], state: dict, last, head: bool):
-        self.ids, self.state, self.last, self.head = ids, state, last, head
+
+def _no_history(vocab: int, rows: int) -> dict:
+    """The history a row that is not penalised carries in a batch where another is (never read)."""
+    return {"counts": mx.zeros((rows, vocab), mx.float32), "prompt_seen": mx.zeros((rows, vocab), mx.bool_)}
+
+
+class _Held:
+    """A state kept for a later prompt that continues its ids (`ContinuousBatch`'s cache): the ids its trunk
+    state holds, the state (batch 1), and either the last pass (what its head has not read yet: a finished
+    row) or None with the token its head read after the ids (a prompt's state at its last turn's start)."""
+
+    def __init__(self, ids: tuple[int, ...], state: dict, last, head: bool, read_next: int | None = None):
+        self.ids, self.state, self.last, self.head, self.read_next = ids, state, last, head, read_next
+
+    def continued_by(self, prompt: list[int]) -> bool:
+        ids = self.ids
+        return (len(ids) < len(prompt) and tuple(prompt[:len(ids)]) == ids
+                and (self.read_next is None or prompt[len(ids)] == self.read_next))
+
+
+def turn_start(opener: int | None, prompt_tokens: list[int]) -> int:
+    """Where a ChatML prompt's last turn (its generation prompt) starts, or 0: a chat's next turn renders this
+    reply otherwise than it was generated (Qwen's template drops its thinking), so the two share the prompt
+    only up to there."""
+    if opener is None or opener not in prompt_tokens:
+        return 0
+    return len(prompt_tokens) - 1 - prompt_tokens[::-1].index(opener)
 
 
 def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held | None) -> dict:
@@ -182,6 +219,8 @@ def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held
     if head is None:
         state.pop("head", None)
         state.pop("head_offset", None)
+        return state
+    if resume.last is None:  # its head read the last held position with the prompt's next token (`continued_by`)
         return state
     hidden, after, keep = resume.last
     keep = int(keep.item())
@@ -219,6 +258,8 @@ def _as_row(model, state: dict, capacity: int, head) -> dict:
     draft)."""
     row = decoding.grow_state(model, state, capacity) if decoding.capacity_of(model, state) < capacity else state
     row = {**row, "offset": row["offset"].reshape(1)}
+    if "counts" in row:
+        row["counts"], row["prompt_seen"] = row["counts"][None], row["prompt_seen"][None]
     if head is not None and "head" not in row:
         row["head"] = head.layers[0].empty_state(1, capacity, model.dtype)
         row["head_offset"] = row["offset"] - 1
@@ -313,6 +354,8 @@ class ContinuousBatch:
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
         self._chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
         self._budget = None  # prefill tokens this step may still run
+        tokenizer = model.tokenizer
+        self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
                          "generated": 0, "prefilled_tokens": 0}
 
@@ -347,8 +390,6 @@ class ContinuousBatch:
         if settings.n_draft != 1 and self.drafter is None:
             self.model.require_head()
         sampler = settings.check_for(self.model)
-        if sampler.penalised:
-            raise UsageError("a batch samples without penalties for now: decode a penalised row with qmtp.generate")
         prompt_tokens = list(prompt_tokens) if not isinstance(prompt_tokens, str) else prompt_tokens
         if isinstance(prompt_tokens, str) or not all(isinstance(t, int) for t in prompt_tokens):
             raise UsageError("prompt_tokens: give a list of integer token ids")
@@ -363,6 +404,12 @@ class ContinuousBatch:
             if not self.step():
                 self._wake.wait(0.05)
                 self._wake.clear()
+        with self._lock:  # what is left at shutdown ends cancelled: nobody waits on it forever
+            left, self._queue = [*self._queue, *(j.request for j in self._joining), *self._rows], deque()
+        self._joining, self._rows = [], []
+        self._state = self._last = self._keys = None
+        for request in left:
+            request._finish("cancelled")
 
     def step(self) -> bool:
         """Admit waiting requests (a chunk of one joining prompt's prefill), then one decoding step for every
@@ -414,8 +461,17 @@ class ContinuousBatch:
         if resume is not None:
             request.cached_tokens = len(resume.ids)
             request.stats.prefilled_tokens -= len(resume.ids)
-        prefill = _prefill_row(self.model, head, request.prompt_tokens, capacity, request.strategy,
-                               self.engine.hidden, key, self._chunk, resume)
+        prompt = request.prompt_tokens
+        mark = turn_start(self._opener, prompt)
+        if resume is not None and mark <= len(resume.ids):
+            mark = 0
+
+        def hold_turn_start(state: dict) -> None:
+            ids = tuple(prompt[:mark])
+            self._put(_Held(ids, state, None, request.drafts, read_next=prompt[mark]))
+
+        prefill = _prefill_row(self.model, head, prompt, capacity, request.strategy, self.engine.hidden, key,
+                               self._chunk, resume, mark, hold_turn_start if mark and self.cache_entries else None)
         return _Joining(request, prefill, key)
 
     def _prefill_chunk(self) -> int:
@@ -428,6 +484,10 @@ class ContinuousBatch:
             done, result = next(joining.prefill), None
         except StopIteration as finished:
             done, result = len(request.prompt_tokens), finished.value
+        except Exception as error:  # this request fails, not the rows beside it (nor the engine thread)
+            self._joining.pop(0)
+            request._finish("error", error)
+            return max(1, len(request.prompt_tokens) - joining.done)
         seconds = time.perf_counter() - started
         joining.seconds += seconds
         self.counters["prefill_chunks"] += 1
@@ -465,6 +525,11 @@ class ContinuousBatch:
             self._state = decoding.grow_state(self.model, self._state, capacity)
         self._capacity = capacity
         row = _as_row(self.model, state, capacity, self.drafter if head else None)
+        vocab = next((t["counts"].shape[-1] for t in (row, self._state or {}) if "counts" in t), 0)
+        if self._state is not None and "counts" in row and "counts" not in self._state:
+            self._state = {**self._state, **_no_history(vocab, len(self._rows))}
+        if self._state is not None and "counts" in self._state and "counts" not in row:
+            row = {**row, **_no_history(vocab, 1)}
         width = self._last[0].shape[1] if self._last is not None else 1
         last = (_pad_axis(h_last, 1, width), _pad_axis(mx.array([[first]], mx.int32), 1, width),
                 mx.array([1], mx.int32))
@@ -499,6 +564,8 @@ class ContinuousBatch:
         self._state, self._last, self._keys = (_rows_of(x, index) for x in (self._state, self._last, self._keys))
         if "head" in self._state and not any(r.drafts for r in self._rows):
             del self._state["head"], self._state["head_offset"]
+        if "counts" in self._state and not any(r.strategy.history for r in self._rows):
+            del self._state["counts"], self._state["prompt_seen"]
 
     # ---- decoding -----------------------------------------------------------------------------------------
     def _width(self) -> int:
@@ -539,9 +606,15 @@ class ContinuousBatch:
         follows = k == 0 and "head" in self._state
         step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows)
         started = time.perf_counter()
-        with self._timer("step"):
-            self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
-            report = report.tolist()
+        try:
+            with self._timer("step"):
+                self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
+                report = report.tolist()
+        except Exception as error:  # a step is shared: the rows in it fail, the engine goes on with new ones
+            for request in self._rows:
+                request._finish("error", error)
+            self._remove(list(range(len(self._rows))))
+            return
         seconds = time.perf_counter() - started
         with self._timer("host"):
             self._book(report, width, caps, seconds)
@@ -571,12 +644,16 @@ class ContinuousBatch:
         request = self._rows[b]
         index = mx.array([b], mx.int32)
         state = _rows_of(self._state, index)
+        state.pop("counts", None), state.pop("prompt_seen", None)  # this request's generation: not the next one's
         state["offset"] = state["offset"][0]
         if "head" in state:
             state["head_offset"] = state["head_offset"][0]
         ids = tuple(request.prompt_tokens + request._decoded[:-1])
-        self._cache[ids] = _Held(ids, state, _rows_of(self._last, index), request.drafts)
-        self._cache.move_to_end(ids)
+        self._put(_Held(ids, state, _rows_of(self._last, index), request.drafts))
+
+    def _put(self, held: _Held) -> None:
+        self._cache[held.ids] = held
+        self._cache.move_to_end(held.ids)
         while len(self._cache) > self.cache_entries:
             self._cache.popitem(last=False)
 
@@ -584,8 +661,8 @@ class ContinuousBatch:
         """The held state with the longest ids that the prompt continues (and a head when the request drafts)."""
         prompt, best = request.prompt_tokens, None
         for ids, held in self._cache.items():
-            if (len(ids) < len(prompt) and (best is None or len(ids) > len(best.ids))
-                    and (held.head or not request.drafts) and tuple(prompt[:len(ids)]) == ids):
+            if ((best is None or len(ids) > len(best.ids)) and (held.head or not request.drafts)
+                    and held.continued_by(prompt)):
                 best = held
         if best is not None:
             self._cache.move_to_end(best.ids)

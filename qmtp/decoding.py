@@ -512,10 +512,12 @@ def _draft_keys(strategies, caps, draft_keys, offsets: mx.array) -> list:
     return out
 
 
-def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_keys, chain: str = "post"):
+def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_keys, chain: str = "post",
+               counts=None):
     """`draft` for a batch: k drafts per row [B, k] (row b's first caps[b] picked by its strategy with its
     keys, the others argmaxes nobody counts), their distributions per row, which came from finite logits
-    [B, k], and the head's new buffers and offsets."""
+    [B, k], and the head's new buffers and offsets. `counts` [B, V] (penalties): each row's generated-token
+    counts before d_1; a penalised row's d_i is picked with the drafts before it counted, as `draft` does."""
     hidden, next_tokens, keep = last
     last_kept = (keep - 1)[:, None, None]
     offset = state["head_offset"] + keep
@@ -528,7 +530,8 @@ def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_k
         picked = []
         for b, strategy in enumerate(strategies):
             if i < caps[b]:
-                d, dist = strategy.pick(logits[b:b + 1], keys[b][i])
+                seen = (counts[b:b + 1], state["prompt_seen"][b]) if strategy.history else None
+                d, dist = strategy.pick(logits[b:b + 1], keys[b][i], seen)
                 dists[b].append(dist)
             else:
                 d = mx.argmax(logits[b:b + 1], axis=-1).astype(mx.int32)
@@ -539,6 +542,8 @@ def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_k
         if i + 1 < k:
             fed = z if chain == "post" else z_pre
             z_pre, z, buffers = head_states_rows(model, head, fed, d.reshape(-1, 1), buffers, offset + i)
+            if counts is not None:
+                counts = counts + one_hot(d, counts.shape[-1])
     return mx.stack(drafts, axis=1), dists, mx.stack(finite, axis=1), buffers, offset
 
 
@@ -550,9 +555,16 @@ def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, l
     _, next_tokens, keep = last
     pending = mx.take_along_axis(next_tokens, (keep - 1)[:, None], axis=1)  # [B, 1]
     new_state, dists = {}, [[] for _ in strategies]
+    # penalties: every row carries counts [B, V] and prompt_seen [B, V] once one row is penalised (the others'
+    # are carried along unread); the pending token is generated, so every position scored here counts it
+    history = "counts" in state
+    if history:
+        vocab = state["counts"].shape[-1]
+        counts = state["counts"] + one_hot(pending[:, 0], vocab)
     if k:
         drafts, dists, drafts_finite, new_state["head"], new_state["head_offset"] = draft_rows(
-            model, head, k, strategies, caps, state, last, [s[1] for s in split], chain)
+            model, head, k, strategies, caps, state, last, [s[1] for s in split], chain,
+            counts if history else None)
         tokens = mx.concatenate([pending, drafts], axis=1)
     else:
         tokens, drafts_finite = pending, mx.zeros((pending.shape[0], 0), mx.bool_)
@@ -563,14 +575,21 @@ def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, l
             new_state["head_offset"] = state["head_offset"] + keep_in
     pre, post, experts, layers = trunk_step_rows(model, tokens, state, record=k > 0)
     logits = model.logits(post).astype(mx.float32)  # [B, k + 1, V]
+    if history:  # position j of row b follows its pending, d_1..d_j
+        counts = state["counts"][:, None] + mx.cumsum(one_hot(tokens, vocab).reshape(tokens.shape + (vocab,)), axis=1)
     accepted, next_token = [], []
     for b, strategy in enumerate(strategies):
         where = {"first": state["offset"][b] + 1} if _by_position(strategy) else {}
+        if strategy.history:
+            where["history"] = (counts[b, :caps[b] + 1], state["prompt_seen"][b])
         a, t = strategy.accept(tokens[b, 1:1 + caps[b]], dists[b], logits[b, :caps[b] + 1], split[b][2], **where)
         accepted.append(a.reshape(1))
         next_token.append(t.reshape(1))
     accepted, next_token = mx.concatenate(accepted), mx.concatenate(next_token)
     keep = accepted + 1
+    if history:  # each row's kept tokens enter its counts: pending, d_1..d_accepted
+        new_state["counts"] = mx.take_along_axis(counts, accepted[:, None, None], axis=1)[:, 0]
+        new_state["prompt_seen"] = state["prompt_seen"]
     new_state["layers"] = keep_prefix_rows(model, layers, keep) if k else layers
     new_state["offset"] = state["offset"] + keep
     n, nxt = k + 1, next_token[:, None]

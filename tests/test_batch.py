@@ -63,6 +63,35 @@ def test_top_k_1_rows_are_greedy(model):
         assert row.tokens == qmtp.generate(model, prompt, max_tokens=10).tokens
 
 
+PENALTIES = [{"presence_penalty": 1.5}, {"frequency_penalty": 0.7}, {"repetition_penalty": 1.3},
+             {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}]
+
+
+@pytest.mark.parametrize("penalty, n_draft", list(zip(PENALTIES, [3, 1, "auto", 5])), ids=lambda p: "+".join(p)
+                         if isinstance(p, dict) else str(p))
+def test_penalised_rows_beside_plain_ones_equal_their_own_runs(model, penalty, n_draft):
+    """Each row counts its own generated tokens: a penalised greedy row is its own run, beside rows that are
+    not penalised (whose history the batch carries unread) and rows with other penalties."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, rng.integers(1, 10)).tolist() for _ in range(4)]
+    rows = [Sampling(**penalty), Sampling(), Sampling(presence_penalty=2.0), Sampling(**penalty)]
+    batch = qmtp.generate_batch(model, prompts, max_tokens=20, n_draft=n_draft, sampling=rows)
+    for prompt, row, sampling in zip(prompts, batch, rows):
+        assert row.tokens == qmtp.generate(model, prompt, max_tokens=20, n_draft=n_draft, sampling=sampling).tokens
+    plain = qmtp.generate(model, prompts[0], max_tokens=20).tokens
+    assert batch[0].tokens != plain, "the penalty changed nothing: the test cannot tell"
+
+
+def test_sampled_penalised_rows_are_their_own_seeded_runs(small_vocab_model):
+    seeds = [3, 7, 11]
+    sampling = Sampling(temperature=1.2, presence_penalty=0.8, frequency_penalty=0.3)
+    batch = qmtp.generate_batch(small_vocab_model, PROMPTS[:3], max_tokens=12, n_draft=3, sampling=sampling,
+                                seed=seeds)
+    for prompt, row, seed in zip(PROMPTS, batch, seeds):
+        alone = qmtp.generate(small_vocab_model, prompt, max_tokens=12, n_draft=3, sampling=sampling, seed=seed)
+        assert row.tokens == alone.tokens
+
+
 @pytest.mark.slow
 def test_a_sampled_row_keeps_the_trunk_law(small_vocab_model):
     """Rows of one prompt with seeds 0..n-1, drafting two tokens a step: the continuations follow the law of

@@ -87,6 +87,30 @@ def test_a_next_turn_resumes_from_the_shared_prefix_cache(model, n_draft):
     assert nxt.tokens == alone(model, follow_up, Settings.of(max_tokens=10))
 
 
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_a_chats_next_turn_resumes_from_where_its_last_turn_started(n_draft):
+    """With thinking on, Qwen's template renders the reply without its thinking in the next turn's history,
+    so the finished row's ids are no prefix of it: the state held at the generation prompt's start is."""
+    bundled = qmtp.load()
+    tokenizer = bundled.tokenizer
+    batch = ContinuousBatch(bundled, cache_entries=4)
+    settings = Settings.of(max_tokens=12, n_draft=n_draft)
+    messages = [{"role": "user", "content": "Tell me about the cat."}]
+    first_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, enable_thinking=True))
+    first = batch.submit(first_prompt, settings)
+    while batch.step():
+        pass
+    history = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the dog?"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(history, enable_thinking=True))
+    turn = continuous.turn_start(tokenizer.token_to_id("<|im_start|>"), first_prompt)
+    assert prompt[:turn] == first_prompt[:turn] and prompt[:len(first_prompt)] != first_prompt
+    nxt = batch.submit(prompt, settings)
+    while batch.step():
+        pass
+    assert nxt.cached_tokens == turn
+    assert nxt.tokens == alone(bundled, prompt, Settings.of(max_tokens=12))
+
+
 def test_the_prefix_cache_is_bounded_and_memory_stays_flat(small_vocab_model):
     rng = np.random.default_rng(3)
     batch = ContinuousBatch(small_vocab_model, max_batch=4, cache_entries=4)

@@ -27,7 +27,8 @@ import uvicorn  # noqa: E402
 
 import qmtp  # noqa: E402
 from qmtp.errors import NonFiniteLogitsError  # noqa: E402
-from qmtp.serve import protocol, sequential  # noqa: E402
+from qmtp import continuous  # noqa: E402
+from qmtp.serve import protocol  # noqa: E402
 from qmtp.serve.main import build, engine_class, parser  # noqa: E402
 from qmtp.serve.stream import TextStream, ThinkingSplit, split_reply  # noqa: E402
 
@@ -286,16 +287,16 @@ def test_a_broken_template_or_nonfinite_logits_fail_that_request_only(model, url
         patch.setattr(model.tokenizer, "chat_template", "{% if %}")
         response = httpx.post(f"{url}/v1/chat/completions", json={"messages": HELLO}, timeout=10)
         assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
-    real = sequential.decode
+    real = continuous._prefill_row
+    tripping_ids = model.tokenizer.encode("NaN please")
 
-    def tripping(model, prompt_tokens, *args):
-        if prompt_tokens[:3] == model.tokenizer.encode("NaN please")[:3]:
-            raise NonFiniteLogitsError("non-finite logits at position 3")
-        return real(model, prompt_tokens, *args)
+    def tripping(model, head, tokens, *args):  # the prompt's logits come out non-finite, as damaged weights give
+        state, h_last, first, finite = yield from real(model, head, tokens, *args)
+        return state, h_last, first, finite and tokens[-len(tripping_ids):] != tripping_ids
 
-    monkeypatch.setattr(sequential, "decode", tripping)
+    monkeypatch.setattr(continuous, "_prefill_row", tripping)
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "NaN please", "max_tokens": 5}, timeout=10)
-    assert response.status_code == 500 and "non-finite" in response.json()["error"]["message"]
+    assert response.status_code == 500 and "NaN or Inf logits" in response.json()["error"]["message"]
     body = {"prompt": "NaN please", "max_tokens": 5, "stream": True}
     events = httpx.post(f"{url}/v1/completions", json=body, timeout=10).text
     assert '"error"' in events and events.rstrip().endswith("data: [DONE]")
@@ -303,7 +304,7 @@ def test_a_broken_template_or_nonfinite_logits_fail_that_request_only(model, url
 
 
 def test_the_api_key_and_a_full_queue(model):
-    with running(build(model, n_draft=N_DRAFT, max_queue=1, api_key="secret")) as base:
+    with running(build(model, n_draft=N_DRAFT, max_batch=1, max_queue=1, api_key="secret")) as base:
         with pytest.raises(openai.AuthenticationError):
             client(base, "wrong").models.list()
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi"}).status_code == 401
@@ -323,8 +324,6 @@ def test_the_api_key_and_a_full_queue(model):
 
 
 def test_four_requests_sent_at_once_share_decoding_steps(model, url):
-    if engine_class() is sequential.SequentialBatch:
-        pytest.skip("the stand-in decodes one request at a time: this needs qmtp.continuous.ContinuousBatch")
     before = health(url)["counters"]
     api = client(url)
 
@@ -388,17 +387,18 @@ def test_streamed_text_holds_back_what_a_stop_string_or_the_think_tag_may_start(
     assert split_reply("a</think>b", opened=False) == ("", "a</think>b")
 
 
-def test_the_sequential_engine_cancels_a_queued_row_and_refuses_what_decode_would(model):
-    engine = sequential.SequentialBatch(model)
+def test_the_engine_cancels_a_queued_row_and_refuses_what_decode_would(model):
+    engine = engine_class()(model)
     settings = qmtp.Settings.of(max_tokens=5)
     with pytest.raises(qmtp.UsageError, match="longer than the context"):
         engine.submit([5] * 5000, settings)
     row = engine.submit([5, 6, 7], settings)
     row.cancel()
-    assert engine.waiting == 1 and engine.step() and row.finish_reason == "cancelled" and row.done.is_set()
+    assert engine.waiting == 1 and not engine.step() and row.finish_reason == "cancelled" and row.done.is_set()
     row = engine.submit(model.tokenizer.encode("Hello"), settings)
-    assert engine.step() and row.generation().tokens == qmtp.generate(model, "Hello", max_tokens=5).tokens
-    assert not engine.step()
+    while engine.step():
+        pass
+    assert row.generation().tokens == qmtp.generate(model, "Hello", max_tokens=5).tokens
 
 
 def test_the_load_bench_runs_and_prints_its_table():

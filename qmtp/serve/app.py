@@ -213,7 +213,7 @@ def _failed(row) -> ApiError:
 
 
 def create_app(served: Served, engine, api_key: str | None = None, max_queue: int = 64) -> Starlette:
-    """The app serving `served` through `engine` (a `ContinuousBatch`, or `SequentialBatch`): the engine's
+    """The app serving `served` through `engine` (a `qmtp.continuous.ContinuousBatch`): the engine's
     thread starts with the app and stops with it."""
     server = Server(served, engine, api_key, max_queue)
 

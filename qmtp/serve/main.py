@@ -54,13 +54,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def engine_class():
-    """The one-request-at-a-time engine, for now. `qmtp.continuous.ContinuousBatch` has the same interface but
-    refuses penalised rows, and a request's sampler defaults to the model's generation_config.json, whose
-    thinking-mode settings carry a presence penalty (the family's and the bundled model's): until the batch
-    counts penalties per row, serving it would refuse most requests."""
-    from .sequential import SequentialBatch
+    """The engine a server decodes with: the continuous batch, whose rows share every decoding step."""
+    from ..continuous import ContinuousBatch
 
-    return SequentialBatch
+    return ContinuousBatch
 
 
 def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
