@@ -293,20 +293,28 @@ class ChunkCosts:
     def observe(self, tokens: int, seconds: float) -> None:
         self.seen.append((tokens, seconds))
 
+    def smallest(self) -> tuple[int, float] | None:
+        """The smallest chunk kept (tokens) and the median of its times: the least a chunk costs here."""
+        if not self.seen:
+            return None
+        tokens = min(n for n, _ in self.seen)
+        return tokens, float(np.median([t for n, t in self.seen if n == tokens]))
+
     def tokens_within(self, seconds: float) -> int | None:
         """About how many tokens one chunk runs in `seconds` (None before any chunk was timed)."""
         if not self.seen:
             return None
         sizes = np.array([n for n, _ in self.seen], float)
         times = np.array([t for _, t in self.seen])
+        per_token, fixed = times.sum() / sizes.sum(), 0.0  # all of the cost counted per token: the safer guess
         if len(self.seen) >= 4 and sizes.std() > 0:
-            per_token, fixed = np.polyfit(sizes, times, 1)
-            per_token, fixed = max(per_token, 1e-7), max(fixed, 0.0)
-        else:  # one size seen: all of its cost counted per token (the smaller, safer guess)
-            per_token, fixed = times.sum() / sizes.sum(), 0.0
+            slope, intercept = np.polyfit(sizes, times, 1)
+            if slope > 0 and intercept >= 0:  # noisy times of nearly one size can fit any slope, even below 0
+                per_token, fixed = slope, intercept
         self.turn += 1
         spread = (0.75, 1.25)[self.turn % 2]
-        return int(spread * max(seconds - fixed, 0.0) / per_token)
+        # at most twice the largest chunk seen: a fit is trusted only near the sizes it was fitted on
+        return min(int(spread * max(seconds - fixed, 0.0) / per_token), 2 * int(sizes.max()))
 
 
 class _Joining:
@@ -352,7 +360,7 @@ class ContinuousBatch:
             "_batch_step_costs", {}).setdefault((id(self.drafter), engine.hidden, engine.chain), {})
         self._planner = None
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
-        self._chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
+        self.chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
         self._budget = None  # prefill tokens this step may still run
         tokenizer = model.tokenizer
         self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
@@ -449,7 +457,7 @@ class ContinuousBatch:
             return max(1, self._budget)
         if not self._rows:
             return IDLE_CHUNK
-        tokens = None if self._step_seconds is None else self._chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
+        tokens = None if self._step_seconds is None else self.chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
         return PREFILL_CHUNK if tokens is None else max(MIN_CHUNK, min(MAX_CHUNK, tokens))
 
     def _start_prefill(self, request: Request) -> list:
@@ -493,7 +501,7 @@ class ContinuousBatch:
         self.counters["prefill_chunks"] += 1
         ran = done - joining.done
         if self._rows and ran > 0:
-            self._chunk_costs.observe(ran, seconds)
+            self.chunk_costs.observe(ran, seconds)
         joining.done = done
         if result is None:
             return ran

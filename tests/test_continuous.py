@@ -136,3 +136,17 @@ def test_submit_refuses_bad_requests_at_once(model):
     with pytest.raises(UsageError, match="prompt token id 500 is outside the vocabulary"):
         batch.submit([1, 500], Settings.of())
     assert batch.waiting == 0
+
+
+def test_chunk_sizes_never_leap_past_what_was_timed():
+    """Noisy times of one-token chunks (a few of two) can fit a slope below zero: the chunk proposed must not
+    jump to the largest size (once seen: a 1,024-token chunk stalling the rows 100-fold)."""
+    costs = continuous.ChunkCosts()
+    for tokens, seconds in [(1, 0.030), (1, 0.012), (2, 0.010), (1, 0.025), (2, 0.011), (1, 0.028)]:
+        costs.observe(tokens, seconds)
+    assert all(1 <= (costs.tokens_within(0.02) or 0) <= 4 for _ in range(4))
+    costs = continuous.ChunkCosts()
+    for tokens in (8, 16, 8, 16):
+        costs.observe(tokens, 0.001 + 0.0005 * tokens)
+    assert costs.tokens_within(1.0) == 32  # a fit that would allow 2,000 grows by doubling
+    assert costs.smallest() == (8, 0.005)

@@ -95,3 +95,17 @@ def test_published_figures_under_load_have_sources_in_the_bibliography():
     for r in published.UNDER_LOAD:
         assert r.url.startswith("https://") and r.where, r.key
         assert all(lo <= hi for lo, hi in r.ratio.values()), r.key
+
+
+def test_real_width_passes_count_the_experts_a_batched_pass_reads():
+    from qmtp.book import bench_batch
+
+    small = dict(hidden_size=256, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=16,
+                 vocab_size=1024, linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4,
+                 num_key_value_heads=1)
+    report = bench_batch.real_width_passes((1, 4), (1, 3), context=8, budget=0.05, overrides=small)
+    rows = {(r["batch"], r["n_draft"]): r for r in report["rows"]}
+    assert rows[(1, 1)]["experts_read"] == 8 and rows[(1, 1)]["time_over_one_token"] == 1
+    assert 8 < rows[(1, 3)]["experts_read"] <= rows[(4, 3)]["experts_read"] <= 16
+    assert all(r["seconds"] > 0 and 8 <= r["experts_predicted"] <= 16 for r in rows.values())
+    assert "experts read" in bench_batch.real_width_table(report)

@@ -191,13 +191,21 @@ def scaled_checkpoint(directory, bits: int = SCALED_BITS, progress: bool = False
 
 
 # ---- the real widths, in memory ------------------------------------------------------------------------------
-def real_width_model(layers: int = 4, bits: int = 4, seed: int = 0, **overrides) -> Model:
+RESIDUAL_WRITES = ("o_proj", "out_proj", "down_proj")  # the projections that write into the residual stream
+
+
+def real_width_model(layers: int = 4, bits: int = 4, seed: int = 0, independent_routing: bool = False,
+                     **overrides) -> Model:
     """Qwen3.6-35B-A3B's first `layers` layers (3 DeltaNet, 1 attention), its head and its vocabulary at their
     real widths and expert counts, built in memory as a `bits`-bit conversion loads on a machine that stores it
     in bfloat16: the trunk quantized (routers at 8 bits), the head's 256 experts in bfloat16, computed in
     float32. Made to be timed, not to be read: the embeddings and the routers are seeded at random, so tokens
     route differently and a verify pass reads a realistic union of experts; every other weight is a constant
     (a product takes the same time whatever its values), which builds in seconds instead of minutes.
+    Constant weights write one direction into the residual stream, which past the first layer pulls every
+    token to the same experts; `independent_routing` zeroes the trunk's projections into the residual
+    stream instead (`RESIDUAL_WRITES`), so that each layer routes a token by its own embedding: tokens choose
+    their experts independently, as `under_load.experts_read` assumes, and a pass reads the union they make.
     `overrides`: config fields to change (the tests build it at small widths)."""
     import math
 
@@ -236,6 +244,9 @@ def real_width_model(layers: int = 4, bits: int = 4, seed: int = 0, **overrides)
             dtype = mx.bfloat16 if ".experts." in name else mx.float32
             w = ((mx.random.normal(p.shape, key=draw) / math.sqrt(p.shape[-1])).astype(dtype) if seeded
                  else mx.full(p.shape, 0.5 / math.sqrt(p.shape[-1]), dtype))
+        if (independent_routing and not name.startswith("mtp.") and path.rpartition(".")[2] in RESIDUAL_WRITES
+                and leaf in ("scales", "biases", "weight") and p.dtype != mx.uint32):
+            w = mx.zeros(p.shape, p.dtype)
         model.update(tree_unflatten([(name, w)]))
         mx.eval(w)
     model.eval()

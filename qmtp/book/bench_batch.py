@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from ..options import Engine
+from . import machine
 from ..speculative import PhaseTimer
 
 TEXTS = [
@@ -171,6 +172,124 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- a long prompt joining running rows ----------------------------------------------------------------------
+def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_steps: int = 30, seed: int = 0) -> dict:
+    """How long running rows wait between tokens while a `prompt_tokens`-token prompt joins them (issue 35: at
+    most twice as long): `rows` rows decode (greedy, end ids ignored); their step time is timed for
+    `warm_steps` steps after as many unmeasured ones (compiling), then the long prompt is submitted and every
+    step until it decodes its first token is timed (each a chunk of its prefill, then the rows' step)."""
+    import numpy as np
+
+    from ..continuous import ContinuousBatch
+    from ..options import Settings
+
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    context = model.config.max_position_embeddings
+    batch = ContinuousBatch(model, max_batch=rows + 1)
+    running = [batch.submit(rng.integers(0, vocab, 8 + 4 * i).tolist(),
+                            Settings.of(max_tokens=context - prompt_tokens - 64, n_draft=n_draft, stop_at_eos=False))
+               for i in range(rows)]
+
+    def timed_step() -> float:
+        started = time.perf_counter()
+        batch.step()
+        return time.perf_counter() - started
+
+    for _ in range(warm_steps):
+        batch.step()
+    before = [timed_step() for _ in range(warm_steps)]
+    joining = batch.submit(rng.integers(0, vocab, prompt_tokens).tolist(), Settings.of(max_tokens=4, n_draft=n_draft))
+    during = []
+    while not joining.tokens and not joining.done.is_set():
+        during.append(timed_step())
+    smallest_tokens, smallest_seconds = batch.chunk_costs.smallest() or (None, None)
+    for request in running + [joining]:
+        request.cancel()
+    while batch.step():
+        pass
+    typical = statistics.median(before)
+    return {"rows": rows, "prompt_tokens": prompt_tokens, "n_draft": n_draft, "step_seconds": typical,
+            "steps_while_joining": len(during), "longest_while_joining": max(during),
+            "median_while_joining": statistics.median(during), "longest_over_step": max(during) / typical,
+            "prefill_seconds": joining.stats.prefill_seconds, "smallest_chunk_tokens": smallest_tokens,
+            "smallest_chunk_seconds": smallest_seconds}
+
+
+# ---- verify passes over B rows x n tokens at the real widths -------------------------------------------------
+def real_width_passes(batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5), layers: int = 4, context: int = 64,
+                      budget: float = 3.0, progress=None, overrides: dict | None = None) -> dict:
+    """The trunk of one verify pass over B rows of n tokens each (compiled, median of timed calls; lm_head is
+    timed apart, for one token) on
+    `bench.real_width_model` (the real model's first `layers` layers, 256 experts, its vocabulary, 4-bit; each
+    token routed by its own embedding, so tokens choose experts independently), from
+    B rows each `context` tokens in; the experts each layer's pass read (the union of its B n tokens' top-8,
+    counted from the router's choices) beside the independent-routing union `under_load.experts_read`, and the
+    pass's time over one row's one-token pass beside the batch's tokens (B n) and the union's growth.
+    `overrides`: config fields changed (the tests' small widths)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .. import continuous, decoding
+    from .bench import _median_seconds, real_width_model
+    from .under_load import experts_read
+
+    model = real_width_model(layers, independent_routing=True, **(overrides or {}))
+    config, rng = model.config, np.random.default_rng(0)
+    greedy = decoding.Greedy()
+    capacity = decoding.capacity_for(context + 2 * max(n_drafts))
+    rows = []
+    for size in batches:
+        state = None
+        for _ in range(size):  # each row its own prompt, prefilled alone as a joining request is
+            prompt = rng.integers(0, config.vocab_size, context).tolist()
+            prefill = continuous._prefill_row(model, None, prompt, capacity, greedy, "post", mx.random.key(0),
+                                              lambda: context)
+            try:
+                while True:
+                    next(prefill)
+            except StopIteration as done:
+                row = continuous._as_row(model, done.value[0], capacity, None)
+            state = row if state is None else continuous._joined(state, row)
+        for n in n_drafts:
+            tokens = mx.array(rng.integers(0, config.vocab_size, (size, n)), mx.int32)
+
+            def trunk(s, t, record=n > 1):
+                _, post, experts, layers = decoding.trunk_step_rows(model, t, s, record)
+                return post, experts, layers
+
+            compiled = mx.compile(lambda s, t: trunk(s, t)[0], inputs=[model.state])
+            seconds = _median_seconds(lambda: compiled(state, tokens), repeats=10, budget=budget)
+            _, experts, _ = trunk(state, tokens)
+            union = [len(np.unique(np.array(e))) for e, layer in zip(experts, model.layers)]
+            rows.append({"batch": size, "n_draft": n, "tokens": size * n, "seconds": seconds,
+                         "experts_read": float(np.mean(union)), "experts_predicted": experts_read(size, n, config)})
+            if progress:
+                progress(f"batch {size} n_draft {n}: {seconds * 1e3:.1f} ms, {rows[-1]['experts_read']:.0f} experts")
+    one = next(r["seconds"] for r in rows if r["tokens"] == 1) if any(r["tokens"] == 1 for r in rows) else None
+    for r in rows:
+        r["time_over_one_token"] = r["seconds"] / one if one else None
+    # lm_head apart: at the real vocabulary its product over every token of the pass would drown the layers
+    hidden = mx.zeros((1, 1, config.hidden_size), mx.float32)
+    logits = mx.compile(lambda h: model.logits(h), inputs=[model.state])
+    lm_head = _median_seconds(lambda: logits(hidden), repeats=10, budget=budget)
+    return {"layers": layers, "experts": config.num_experts, "vocab": config.vocab_size, "context": context,
+            "rows": rows, "lm_head_one_token_seconds": lm_head}
+
+
+def real_width_table(report: dict) -> str:
+    lines = [f"real widths, {report['layers']} layers, {report['experts']} experts, vocabulary {report['vocab']}, "
+             f"{report['context']} tokens in each row",
+             f"lm_head alone, one token: {report['lm_head_one_token_seconds'] * 1e3:.1f} ms",
+             f"{'batch':>5} {'n_draft':>7} {'tokens':>6} {'ms':>8} {'x one token':>11} {'experts read':>12} "
+             f"{'predicted':>9}"]
+    for r in report["rows"]:
+        over = f"{r['time_over_one_token']:.2f}" if r["time_over_one_token"] else "-"
+        lines.append(f"{r['batch']:>5} {r['n_draft']:>7} {r['tokens']:>6} {r['seconds'] * 1e3:8.1f} {over:>11} "
+                     f"{r['experts_read']:12.1f} {r['experts_predicted']:9.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     """python -m qmtp.book.bench_batch [MODEL] --batch 1,2,4,8 --n-draft 1,2,3,4,5,auto [--json PATH]"""
     from ..loading import load
@@ -183,9 +302,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (medians kept)")
     parser.add_argument("--no-peers", action="store_true", help="leave mlx-lm's batch_generate out")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--real-width", action="store_true", help="instead: the trunk of verify passes over B rows x "
+                        "n_draft tokens timed on the real widths (256 experts, in memory, about 6 GB), experts counted")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     n_drafts = [n if n == "auto" else int(n) for n in args.n_draft.split(",")]
+    if args.real_width:
+        if "auto" in n_drafts:
+            n_drafts = [n for n in n_drafts if n != "auto"]  # a pass has a width; auto chooses among them
+        report = real_width_passes(batches, n_drafts, progress=lambda line: print(line, flush=True))
+        report.update(machine.where_and_when())
+        print(real_width_table(report))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+        return 0
     report = run(load(args.model), batches, n_drafts, args.max_tokens, args.rounds, not args.no_peers,
                  progress=lambda line: print(line, flush=True))
     print(table(report))

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UsageError
+from . import machine
 
 PROMPTS = ("Once upon a time", "The old dog", "In a small town", "The moon was", "A little girl",
            "Every morning the", "The river", "Long ago")
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
     report = run(args.model, args.clients, args.max_tokens, args.n_draft, not args.no_mlx_lm)
+    report.update(machine.where_and_when())
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -98,3 +98,10 @@ def line(info: dict | None = None) -> str:
     memory = "" if info["memory_gib"] is None else f", {info['memory_gib']:.0f} GiB of memory"
     return (f"{info['cpu']} ({cores_text}{memory}); {info['os']}; MLX {info['mlx']}, {info['backend']} backend "
             f"(default device: {info['device']}); BLAS: {info['blas']}")
+
+
+def where_and_when() -> dict:
+    """Where and when a run outside the build ran, saved with its report for the page that reads it."""
+    from datetime import datetime, timezone
+
+    return {"where": line(), "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

@@ -30,6 +30,10 @@ compute and dispatch of one more token, no longer bandwidth. Under the per-token
 tau(n) / n < 1, so drafting stops paying at some batch (`break_even`); under the per-row reading it tends to
 tau(n) / (1 + c (n - 1)).
 
+Two runs are too long for the build and run outside it, their reports saved in `book/measured/` with where and
+when they ran (`saved`): verify passes over B rows x n tokens on the real widths (`python -m qmtp bench batch
+--real-width`) and the server under load beside mlx_lm.server (`python -m qmtp bench serve`).
+
 Also here: the tables and the figure of chapter 11 (one each per function), and a server started in this process
 for the chapter's client call (`serving`, `load_rounds`).
 """
@@ -43,6 +47,7 @@ import statistics
 import threading
 import time
 from functools import lru_cache
+from pathlib import Path
 
 from ..config import QWEN36_35B_A3B, ModelConfig
 from ..sizes import sizes
@@ -360,3 +365,57 @@ def load_table(rows: list[dict]) -> str:
         shown.append({**r, "vs one": f"{r['wall s'] / alone['wall s']:.2f}x"})
     return markdown_table(shown, ["n_draft", "clients", "tokens", "wall s", "vs one", "tok/s"],
                           {"wall s": "{:.2f}", "tok/s": "{:.1f}"})
+
+
+# ---- runs outside the build, read from their saved reports --------------------------------------------------
+MEASURED = Path(__file__).resolve().parents[2] / "book" / "measured"
+SAVED = {"real width": "bench_batch_real_width.json", "serve": "bench_serve.json"}
+
+
+def saved(kind: str) -> dict | None:
+    """The saved report of a run outside the build (`SAVED`: "real width" or "serve"), or None if none was
+    saved."""
+    import json
+
+    path = MEASURED / SAVED[kind]
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def real_width_rows_table(report: dict) -> str:
+    """A `bench_batch.real_width_passes` report as a Markdown table: each pass's time against one row's
+    one-token pass, and the experts it read per layer beside the independent-routing union."""
+    shown = [{"B": r["batch"], "n_draft": r["n_draft"], "tokens": r["tokens"], "ms": f"{r['seconds'] * 1e3:.0f}",
+              "x one token": f"{r['time_over_one_token']:.2f}", "experts read": f"{r['experts_read']:.0f}",
+              "U(B, n)": f"{r['experts_predicted']:.0f}"} for r in report["rows"]]
+    return markdown_table(shown, ["B", "n_draft", "tokens", "ms", "x one token", "experts read", "U(B, n)"])
+
+
+def serve_rows_table(report: dict) -> str:
+    """A `bench_serve.run` report as a Markdown table, one row per server and number of clients."""
+    shown = [{"server": server["server"], "clients": r["clients"], "TTFT p50 ms": f"{r['ttft_p50'] * 1e3:.0f}",
+              "TTFT p99 ms": f"{r['ttft_p99'] * 1e3:.0f}", "tok/s per stream": f"{r['tokens_per_stream']:.0f}",
+              "tok/s all": f"{r['aggregate']:.0f}", "tokens per request": f"{r['tokens_per_request']:.1f}",
+              "memory MiB": f"{server['memory_before_mib']:.0f} to {server['memory_after_mib']:.0f}"}
+             for server in report["servers"] for r in server["rounds"]]
+    return markdown_table(shown, ["server", "clients", "TTFT p50 ms", "TTFT p99 ms", "tok/s per stream",
+                                  "tok/s all", "tokens per request", "memory MiB"])
+
+
+def serve_summary(report: dict, clients: int) -> dict:
+    """At `clients` clients: each server's aggregate tok/s, and the first qmtp server's over mlx_lm.server's."""
+    at = {s["server"]: next(r["aggregate"] for r in s["rounds"] if r["clients"] == clients) for s in report["servers"]}
+    ours = {name: tps for name, tps in at.items() if name.startswith("qmtp")}
+    theirs = next((tps for name, tps in at.items() if name.startswith("mlx_lm")), None)
+    best = max(ours, key=ours.get)
+    return {"aggregate": at, "best": best, "best_over_mlx_lm": ours[best] / theirs if theirs else None}
+
+
+def join_table(runs: list[dict]) -> str:
+    """`bench_batch.join_stall` runs as a Markdown table: the rows' step alone, and while the long prompt joins."""
+    shown = [{"n_draft": r["n_draft"], "rows": r["rows"], "prompt tokens": r["prompt_tokens"],
+              "step alone ms": f"{r['step_seconds'] * 1e3:.1f}",
+              "while joining, median ms": f"{r['median_while_joining'] * 1e3:.1f}",
+              "while joining, longest ms": f"{r['longest_while_joining'] * 1e3:.1f}",
+              "longest / alone": f"{r['longest_over_step']:.2f}", "steps": r["steps_while_joining"],
+              "prefill s": f"{r['prefill_seconds']:.1f}"} for r in runs]
+    return markdown_table(shown, list(shown[0]))
