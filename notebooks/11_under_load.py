@@ -175,8 +175,94 @@ glue("acceptance_same",
 # per-token arithmetic, not bandwidth, the regime the per-token reading describes once the union of the real
 # model is full.
 
+# %% [markdown]
+# ### A long prompt joining running rows
+#
+# A request joins the batch at a step boundary, its prompt prefilled a chunk per step beside the running rows'
+# step, each chunk sized to take about 0.8 of a step (`qmtp.continuous`, fitted on the chunks' measured times):
+# the rows wait for the chunk as well as for their own step. Here 4 rows decode, then a 2,000-token prompt
+# joins; every step is timed until the new row's first token (`bench_batch.join_stall`), at n_draft 1 and 3.
+
+# %%
+stalls = [bench_batch.join_stall(model, rows=4, prompt_tokens=2000, n_draft=n) for n in (1, 3)]
+Markdown(under_load.join_table(stalls))
+
+# %% tags=["remove-cell"]
+plain_join, draft_join = stalls
+glue("stall_plain_median", plain_join["median_while_joining"] / plain_join["step_seconds"], display=False)
+glue("stall_plain_p90", plain_join["p90_over_step"], display=False)
+glue("stall_plain", plain_join["longest_over_step"], display=False)
+glue("stall_plain_share", plain_join["share_over_twice"] * 100, display=False)
+glue("stall_draft_p90", draft_join["p90_over_step"], display=False)
+glue("stall_draft", draft_join["longest_over_step"], display=False)
+glue("stall_tokens_per_chunk", plain_join["prompt_tokens"] / plain_join["steps_while_joining"], display=False)
+glue("stall_smallest_tokens", plain_join["smallest_chunk_tokens"], display=False)
+glue("stall_smallest_over_step", plain_join["smallest_chunk_seconds"] / plain_join["step_seconds"], display=False)
+glue("stall_verdict", "met at both widths" if max(x["longest_over_step"] for x in stalls) <= 2 else
+     "met at neither width" if min(x["longest_over_step"] for x in stalls) > 2 else
+     "met at one width only", display=False)
+
+# %% [markdown]
+# The goal was at most twice the step between a running row's tokens for every step, here
+# {glue:text}`stall_verdict`. At n_draft 1 the median step while the prompt joined took
+# {glue:text}`stall_plain_median:.2f`x the rows' step alone, the 90th percentile {glue:text}`stall_plain_p90:.2f`x,
+# the longest {glue:text}`stall_plain:.2f`x, and {glue:text}`stall_plain_share:.0f`% of the steps took more than
+# twice; at n_draft 3, whose step is longer, the 90th percentile was {glue:text}`stall_draft_p90:.2f`x and the
+# longest {glue:text}`stall_draft:.2f`x. The cause is a chunk's fixed cost: the chunk is a pass of its own over
+# every layer, and the smallest the batch ran ({glue:text}`stall_smallest_tokens` tokens) took
+# {glue:text}`stall_smallest_over_step:.2f`x the 4 rows' plain step, whatever its tokens. A step with a chunk costs
+# the rows' step and that floor at least, so the median sits near twice and the machine's noise pushes many steps
+# over; the prompt went in {glue:text}`stall_tokens_per_chunk:.1f` tokens a chunk on average. Keeping under twice
+# at this size would take the chunk inside the rows' own pass (one forward over the rows' tokens and the chunk's,
+# as vLLM's chunked prefill runs it), which this engine does not do; a wider step (drafting, more rows, a larger
+# model) leaves the chunk more room.
+
 # %% mystnb={"figure": {"caption": "The best drafting width's aggregate tokens/s over plain decoding at the same batch. Lines: the cost model on four machines calibrated by their published plain figures, every token paying c (solid), and the M3 Ultra with a row paying r (dashed). Black squares: measured here on the tiny model. Above 1, drafting pays.", "name": "fig-gain-batch"}}
 fig = under_load.gain_figure(report)
+
+# %% [markdown]
+# ## At the real widths
+#
+# The tiny model's passes move a few megabytes, and its union of experts fills at once. A batched pass at the
+# real widths is measured outside the build (`python -m qmtp bench batch --real-width`, minutes): the real
+# model's first 4 layers (3 DeltaNet, 1 attention) with their 256 experts, top-8, 4-bit, built in memory
+# (`bench.real_width_model`), each token routed by its own embedding, so tokens choose experts independently,
+# as U(B, n) assumes. For each B and n_draft, B rows 64 tokens in take one pass of n tokens each: the 4 layers
+# timed compiled (lm_head apart, once for one token), and the experts each layer read counted from the routers'
+# choices. The report, saved in `book/measured/`, ran on {glue:text}`rw_where`, {glue:text}`rw_when`.
+
+# %%
+real_width = under_load.saved("real width")
+Markdown(under_load.real_width_rows_table(real_width))
+
+# %% tags=["remove-cell"]
+rw = {(x["batch"], x["n_draft"]): x for x in real_width["rows"]}
+glue("rw_where", real_width["where"], display=False)
+glue("rw_when", real_width["when"], display=False)
+for b, n in ((8, 1), (1, 5), (8, 5)):
+    glue(f"rw_{b}_{n}", rw[(b, n)]["time_over_one_token"], display=False)
+    glue(f"rw_experts_{b}_{n}", rw[(b, n)]["experts_read"], display=False)
+glue("rw_lm_head_ms", real_width["lm_head_one_token_seconds"] * 1e3, display=False)
+glue("rw_lm_head_over", real_width["lm_head_one_token_seconds"] / rw[(1, 1)]["seconds"], display=False)
+per_token = rw[(8, 5)]["time_over_one_token"] / rw[(8, 5)]["tokens"]
+union_growth = rw[(8, 5)]["experts_read"] / rw[(1, 1)]["experts_read"]
+glue("rw_verdict",
+     f"A pass's time grew nearly in proportion to its tokens ({per_token:.2f} of a one-token pass per token at 40 "
+     f"tokens), far faster than the experts it read ({union_growth:.0f}x those of one token): on this CPU a "
+     "drafted token costs its own compute, the per-token reading's regime" if per_token > 0.5 else
+     f"A pass's time grew much more slowly than its tokens ({per_token:.2f} of a one-token pass per token at 40 "
+     f"tokens), closer to the experts it read ({union_growth:.0f}x those of one token): a drafted token is cheap "
+     "while the union is unfilled", display=False)
+
+# %% [markdown]
+# 8 rows of one token took {glue:text}`rw_8_1:.2f`x the time of one token's pass and read
+# {glue:text}`rw_experts_8_1:.0f` experts a layer; one row at n_draft 5, {glue:text}`rw_1_5:.2f`x, reading
+# {glue:text}`rw_experts_1_5:.0f`; 8 rows at n_draft 5 (40 tokens), {glue:text}`rw_8_5:.2f`x, reading
+# {glue:text}`rw_experts_8_5:.0f` of 256. {glue:text}`rw_verdict`. The counted union stays below U(B, n), which
+# takes every expert as equally likely: these routers, random weights over random embeddings, are not uniform, so
+# tokens share more experts than U(B, n) counts (the real model's trained routers are not uniform either). lm_head alone
+# took {glue:text}`rw_lm_head_ms:.0f` ms for one token at the real vocabulary, {glue:text}`rw_lm_head_over:.1f`x
+# these 4 layers' one-token pass (the real model has 40).
 
 # %% [markdown]
 # ## What the field reports
@@ -289,6 +375,39 @@ glue("four_vs_one", max(x["wall s"] / next(y for y in load if y["n_draft"] == x[
                         ["wall s"] for x in four), display=False)
 
 # %% [markdown]
-# The server's engine in this build is {glue:text}`engine_name` (`qmtp.serve.main.engine_class`); 4 clients took at most
-# {glue:text}`four_vs_one:.2f`x the wall time of one. `python -m qmtp bench serve --clients 1,4,16` runs the
-# longer load run, drafting off and on, beside `mlx_lm.server` on the same checkpoint.
+# The server's engine is {glue:text}`engine_name` (`qmtp.serve.main.engine_class`): concurrent requests share its
+# decoding steps, so 4 clients took {glue:text}`four_vs_one:.2f`x the wall time of one.
+#
+# ### The server under load, beside mlx_lm.server
+#
+# A longer load run is too slow for the build: `python -m qmtp bench serve --clients 1,4,16` starts each server
+# as its own process on a free port and streams 64 new tokens per request at temperature 0 from 1, 4 and 16
+# clients at once, `qmtp serve` at n_draft 1 and 3 and `mlx_lm.server` on the same bundled model (a float32
+# copy: MLX's CPU kernels for a bfloat16 mixture of experts compute in float32, and mlx_lm.server serves the
+# model plain, as it serves this family). Its report, saved in `book/measured/`, ran on
+# {glue:text}`serve_where`, {glue:text}`serve_when`. mlx_lm.server ends a request at the end token (it has no
+# option to ignore it), so its tokens per request fall below 64.
+
+# %%
+serve_run = under_load.saved("serve")
+Markdown(under_load.serve_rows_table(serve_run))
+
+# %% tags=["remove-cell"]
+at_16, at_4, at_1 = (under_load.serve_summary(serve_run, clients) for clients in (16, 4, 1))
+glue("serve_where", serve_run["where"], display=False)
+glue("serve_when", serve_run["when"], display=False)
+glue("serve_best_16", at_16["best"], display=False)
+glue("serve_over_mlx_lm_16", at_16["best_over_mlx_lm"], display=False)
+glue("serve_draft_1", at_1["aggregate"]["qmtp serve, n_draft 3"] / at_1["aggregate"]["qmtp serve, n_draft 1"],
+     display=False)
+glue("serve_draft_4", at_4["aggregate"]["qmtp serve, n_draft 3"] / at_4["aggregate"]["qmtp serve, n_draft 1"],
+     display=False)
+glue("serve_draft_16", at_16["aggregate"]["qmtp serve, n_draft 3"] / at_16["aggregate"]["qmtp serve, n_draft 1"],
+     display=False)
+
+# %% [markdown]
+# At 16 clients the fastest in aggregate was {glue:text}`serve_best_16`, at {glue:text}`serve_over_mlx_lm_16:.2f`x
+# mlx_lm.server's tokens/s (which counts fewer tokens per request, each request ending at its end token). Drafting
+# at n_draft 3 gave {glue:text}`serve_draft_1:.2f`x the aggregate of n_draft 1 at one client,
+# {glue:text}`serve_draft_4:.2f`x at 4 and {glue:text}`serve_draft_16:.2f`x at 16: on this CPU, as in the batches
+# above, a drafted token costs its own compute once rows share the pass.

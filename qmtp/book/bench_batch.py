@@ -212,6 +212,8 @@ def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_
     return {"rows": rows, "prompt_tokens": prompt_tokens, "n_draft": n_draft, "step_seconds": typical,
             "steps_while_joining": len(during), "longest_while_joining": max(during),
             "median_while_joining": statistics.median(during), "longest_over_step": max(during) / typical,
+            "p90_over_step": float(np.quantile(during, 0.9)) / typical,
+            "share_over_twice": sum(d > 2 * typical for d in during) / len(during),
             "prefill_seconds": joining.stats.prefill_seconds, "smallest_chunk_tokens": smallest_tokens,
             "smallest_chunk_seconds": smallest_seconds}
 

@@ -402,7 +402,8 @@ def serve_rows_table(report: dict) -> str:
 
 
 def serve_summary(report: dict, clients: int) -> dict:
-    """At `clients` clients: each server's aggregate tok/s, and the first qmtp server's over mlx_lm.server's."""
+    """At `clients` clients: each server's aggregate tok/s, the fastest qmtp server, and its aggregate over
+    mlx_lm.server's."""
     at = {s["server"]: next(r["aggregate"] for r in s["rounds"] if r["clients"] == clients) for s in report["servers"]}
     ours = {name: tps for name, tps in at.items() if name.startswith("qmtp")}
     theirs = next((tps for name, tps in at.items() if name.startswith("mlx_lm")), None)
@@ -411,11 +412,13 @@ def serve_summary(report: dict, clients: int) -> dict:
 
 
 def join_table(runs: list[dict]) -> str:
-    """`bench_batch.join_stall` runs as a Markdown table: the rows' step alone, and while the long prompt joins."""
+    """`bench_batch.join_stall` runs as a Markdown table: the rows' step alone, and while the long prompt joins
+    (median, 90th percentile and longest step over the step alone, and the share of steps over twice it)."""
     shown = [{"n_draft": r["n_draft"], "rows": r["rows"], "prompt tokens": r["prompt_tokens"],
               "step alone ms": f"{r['step_seconds'] * 1e3:.1f}",
               "while joining, median ms": f"{r['median_while_joining'] * 1e3:.1f}",
               "while joining, longest ms": f"{r['longest_while_joining'] * 1e3:.1f}",
-              "longest / alone": f"{r['longest_over_step']:.2f}", "steps": r["steps_while_joining"],
+              "p90 / alone": f"{r['p90_over_step']:.2f}", "longest / alone": f"{r['longest_over_step']:.2f}",
+              "steps over 2x": f"{r['share_over_twice']:.0%}", "steps": r["steps_while_joining"],
               "prefill s": f"{r['prefill_seconds']:.1f}"} for r in runs]
     return markdown_table(shown, list(shown[0]))
