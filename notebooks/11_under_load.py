@@ -44,6 +44,7 @@
 import qmtp
 from IPython.display import Markdown, display
 from myst_nb import glue
+import qmtp.sizes
 from qmtp.book import bench_batch, cost_model, inventory, plots, published, under_load
 from qmtp.config import QWEN36_35B_A3B as REAL
 from qmtp.loading import BUNDLED_MODEL
@@ -263,6 +264,37 @@ glue("rw_verdict",
 # tokens share more experts than U(B, n) counts (the real model's trained routers are not uniform either). lm_head alone
 # took {glue:text}`rw_lm_head_ms:.0f` ms for one token at the real vocabulary, {glue:text}`rw_lm_head_over:.1f`x
 # these 4 layers' one-token pass (the real model has 40).
+
+# %% [markdown]
+# ### Memory per row at full size
+#
+# A row holds its own decoding state: the KV buffers of the 10 attention layers and the head's at its context, the
+# 30 DeltaNet layers' state (conv inputs and the recurrent S, in float32), and, during a verify pass of n tokens, one
+# snapshot of that state per position, so the roll back can keep the last accepted one (`qmtp.sizes.row_memory`).
+# Beside the 4-bit model (head in bf16) and a runtime assumed at {glue:text}`runtime_gb:.0f` GB, with
+# {glue:text}`os_share:.0f`% of the machine left to the operating system (both assumptions, named in `qmtp.sizes`),
+# the largest batch per machine size:
+
+# %%
+Markdown(under_load.batch_fits_table(REAL, contexts=(4096, 32768), n_drafts=(1, 5), machines_gb=(24, 64, 128)))
+
+# %% tags=["remove-cell"]
+glue("runtime_gb", qmtp.sizes.RUNTIME_BYTES / 1e9, display=False)
+glue("os_share", qmtp.sizes.OS_SHARE * 100, display=False)
+row_plain, row_five = (qmtp.sizes.row_memory(REAL, 4096, n) for n in (1, 5))
+glue("row_plain_mb", row_plain.total_bytes / 1e6, display=False)
+glue("row_five_mb", row_five.total_bytes / 1e6, display=False)
+glue("snapshot_share", row_five.snapshot_bytes / row_five.total_bytes * 100, display=False)
+glue("weights_gb", qmtp.sizes.sizes(REAL, bits=4).total_bytes / 1e9, display=False)
+glue("rows_64_plain", qmtp.sizes.largest_batch(REAL, 64e9, 4096, 1), display=False)
+glue("rows_64_five", qmtp.sizes.largest_batch(REAL, 64e9, 4096, 5), display=False)
+
+# %% [markdown]
+# At 4,096 positions a plain row holds {glue:text}`row_plain_mb:.0f` MB and a row at n_draft 5
+# {glue:text}`row_five_mb:.0f` MB, {glue:text}`snapshot_share:.0f`% of it the snapshots: drafting wide costs memory
+# per row as well as compute, so 64 GB holds {glue:text}`rows_64_plain` plain rows or {glue:text}`rows_64_five` at
+# n_draft 5. A 24 GB machine holds none: the {glue:text}`weights_gb:.1f` GB of weights and the runtime already pass
+# what the operating system leaves.
 
 # %% [markdown]
 # ## What the field reports

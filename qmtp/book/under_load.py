@@ -422,3 +422,23 @@ def join_table(runs: list[dict]) -> str:
               "steps over 2x": f"{r['share_over_twice']:.0%}", "steps": r["steps_while_joining"],
               "prefill s": f"{r['prefill_seconds']:.1f}"} for r in runs]
     return markdown_table(shown, list(shown[0]))
+
+
+def batch_fits_table(config: ModelConfig = QWEN36_35B_A3B, contexts=(4096, 32768), n_drafts=(1, 5),
+                     machines_gb=(24, 64, 128), bits: int = 4) -> str:
+    """`qmtp.sizes.batch_fits` as a Markdown table: per context and n_draft, one row's decoding state (its KV,
+    head KV, linear-attention state and roll-back snapshots) and the largest batch beside the `bits`-bit model
+    and the runtime on each machine size."""
+    from .. import sizes
+
+    shown = []
+    for context in contexts:
+        for n_draft in n_drafts:
+            row = sizes.row_memory(config, context, n_draft)
+            fits = sizes.batch_fits(config, machines_gb, context, n_draft, bits)
+            shown.append({"context": context, "n_draft": n_draft, "KV MB": f"{row.kv_bytes / 1e6:.0f}",
+                          "head KV MB": f"{row.head_kv_bytes / 1e6:.0f}",
+                          "linear state MB": f"{row.linear_bytes / 1e6:.0f}",
+                          "snapshots MB": f"{row.snapshot_bytes / 1e6:.0f}", "row MB": f"{row.total_bytes / 1e6:.0f}",
+                          **{f"rows in {f['machine_GB']} GB": f["largest_batch"] for f in fits}})
+    return markdown_table(shown, list(shown[0]))
