@@ -40,8 +40,8 @@ def test_later_turns_prefill_less_and_reply_as_the_fresh_run(model):
     assert second["fresh_prefilled"] == second["prompt_tokens"] > second["conversation_prefilled"] > 0
     assert all(r["same"] and r["conversation_s"] > 0 and r["fresh_first_s"] > 0 for r in rows)
     summary = conversations.reuse_summary({"on": rows})
-    assert summary["all_same"] and 0 < summary["prefilled_share"] < 1
-    assert "| 2 |" in conversations.turns_table(rows)
+    assert summary["all_same"] and 0 < summary["prefilled_share"] == summary["prefilled_share_by_mode"]["on"] < 1
+    assert "| on | 2 |" in conversations.turns_table({"on": rows})
 
 
 def test_figure_draws_both_runs_per_mode():

@@ -61,10 +61,12 @@ def card_samplers_table(rows: list[dict]) -> str:
 
 
 def measure_turns(model, questions=QUESTIONS, *, system: str | None = SYSTEM, enable_thinking: bool | None = None,
-                  n_draft: int = 3, max_tokens: int = 32, repeats: int = 3, warmup: bool = True) -> list[dict]:
+                  chat_template_kwargs: dict | None = None, n_draft: int = 3, max_tokens: int = 32, repeats: int = 3,
+                  warmup: bool = True) -> list[dict]:
     """One conversation of `questions`, greedy, run `repeats` times (after an untimed one when `warmup`); at every
     turn, a fresh `qmtp.generate(model, messages=...)` of the same history runs beside it (first or second, by
-    turns), and both are timed with `time.perf_counter` around the call.
+    turns), both with the template's variables given (`enable_thinking`, `chat_template_kwargs`), and both are
+    timed with `time.perf_counter` around the call.
 
     One row per turn: the prompt's tokens, those each run prefilled, the medians over the repeats of each run's
     wall time and time to its first token (`Stats.first_token_seconds`), and whether the conversation's reply and
@@ -73,8 +75,8 @@ def measure_turns(model, questions=QUESTIONS, *, system: str | None = SYSTEM, en
 
     timed = {}  # turn -> lists over repeats
     for repeat in range(-1 if warmup else 0, repeats):
-        conversation = Conversation(model, system, enable_thinking=enable_thinking, n_draft=n_draft,
-                                    max_tokens=max_tokens)
+        conversation = Conversation(model, system, enable_thinking=enable_thinking,
+                                    chat_template_kwargs=chat_template_kwargs, n_draft=n_draft, max_tokens=max_tokens)
         for turn, question in enumerate(questions):
             history = conversation.messages + [{"role": "user", "content": question}]
 
@@ -85,8 +87,8 @@ def measure_turns(model, questions=QUESTIONS, *, system: str | None = SYSTEM, en
 
             def fresh_call():
                 started = time.perf_counter()
-                g = generate(model, messages=history, enable_thinking=enable_thinking, n_draft=n_draft,
-                             max_tokens=max_tokens)
+                g = generate(model, messages=history, enable_thinking=enable_thinking,
+                             chat_template_kwargs=chat_template_kwargs, n_draft=n_draft, max_tokens=max_tokens)
                 return g, time.perf_counter() - started
 
             if (turn + max(repeat, 0)) % 2 == 0:
@@ -115,25 +117,31 @@ def measure_turns(model, questions=QUESTIONS, *, system: str | None = SYSTEM, en
     return rows
 
 
-def turns_table(rows: list[dict]) -> str:
-    """`measure_turns` as Markdown: tokens prefilled, time to the first token and wall time of the turn (medians,
-    ms), each as conversation / fresh run, and whether the replies were equal."""
-    columns = ["turn", "prompt tokens", "tokens prefilled", "first token (ms)", "whole turn (ms)", "same reply"]
-    shown = [dict(zip(columns, (r["turn"], r["prompt_tokens"], f"{r['conversation_prefilled']} / {r['fresh_prefilled']}",
+def turns_table(by_mode: dict[str, list[dict]]) -> str:
+    """`measure_turns` of each mode as one Markdown table: tokens prefilled, time to the first token and wall time
+    of the turn (medians, ms), each as conversation / fresh run, and whether the replies were equal."""
+    columns = ["mode", "turn", "prompt tokens", "tokens prefilled", "first token (ms)", "whole turn (ms)",
+               "same reply"]
+    shown = [dict(zip(columns, (mode, r["turn"], r["prompt_tokens"],
+                                f"{r['conversation_prefilled']} / {r['fresh_prefilled']}",
                                 f"{r['conversation_first_s'] * 1e3:.1f} / {r['fresh_first_s'] * 1e3:.1f}",
                                 f"{r['conversation_s'] * 1e3:.0f} / {r['fresh_s'] * 1e3:.0f}",
-                                "yes" if r["same"] else "no"))) for r in rows]
+                                "yes" if r["same"] else "no")))
+             for mode, rows in by_mode.items() for r in rows]
     return markdown_table(shown, columns)
 
 
 def reuse_summary(by_mode: dict[str, list[dict]]) -> dict:
-    """What the chapter's prose states, over every mode's turns after the first: whether every reply equalled
-    the fresh run's, the share of the prompt tokens the conversation prefilled, the tokens it kept that the
-    previous turn had run, and the fresh run's time to the first token over the conversation's at the last
-    turn (per mode)."""
-    later = [r for rows in by_mode.values() for r in rows if r["turn"] > 1]
+    """What the chapter's prose states: whether every reply equalled the fresh run's; over the turns after the
+    first, the share of their prompt tokens the conversation prefilled (all modes, and per mode); at the last
+    turn, per mode, the fresh run's time to the first token and wall time over the conversation's."""
+    def share(rows):
+        later = [r for r in rows if r["turn"] > 1]
+        return sum(r["conversation_prefilled"] for r in later) / sum(r["prompt_tokens"] for r in later)
+
     out = {"all_same": all(r["same"] for rows in by_mode.values() for r in rows),
-           "prefilled_share": sum(r["conversation_prefilled"] for r in later) / sum(r["prompt_tokens"] for r in later),
+           "prefilled_share": share([r for rows in by_mode.values() for r in rows]),
+           "prefilled_share_by_mode": {mode: share(rows) for mode, rows in by_mode.items()},
            "first_token_ratio": {mode: rows[-1]["fresh_first_s"] / rows[-1]["conversation_first_s"]
                                  for mode, rows in by_mode.items()},
            "wall_ratio": {mode: rows[-1]["fresh_s"] / rows[-1]["conversation_s"] for mode, rows in by_mode.items()}}
