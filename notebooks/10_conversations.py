@@ -36,7 +36,7 @@
 # - what that saves per turn, in tokens and in time, measured in this build.
 #
 # **What runs here.** The model named below: the template, one greedy and one sampled reply, then a conversation
-# of four questions in three template modes, each turn run with the kept state and afresh, a few times over,
+# of {glue:text}`questions` questions in three template modes, each turn run with the kept state and afresh, a few times over,
 # timed with `time.perf_counter` (`qmtp.book.conversations`). The chapter's run time in this build is in the
 # {doc}`execution table <../book/execution>`.
 # :::
@@ -54,6 +54,7 @@ model = qmtp.load(budget.decoding_model(path))
 MAX_TOKENS = 12 if FULL else 64
 REPEATS = 1 if FULL else 3
 QUESTIONS = conversations.QUESTIONS[:3] if FULL else conversations.QUESTIONS
+glue("questions", len(QUESTIONS), display=False)
 
 # %% [markdown]
 # ## The chat template
@@ -113,7 +114,7 @@ agrees = all(r["read"] == r["card"] for r in card_rows if r["card"] is not None)
 glue("card_agrees", "agree with" if agrees else "differ from", display=False)
 
 # %% [markdown]
-# The settings read {glue:text}`card_agrees` the card's thinking-mode recommendation on every field the card
+# The settings qmtp reads {glue:text}`card_agrees` the card's thinking-mode recommendation on every field the card
 # names ("-": the file or the card leaves the field out, and the field keeps its neutral default). A sampled
 # reply with the head drafting, seeded so the build gives the same text each time:
 
@@ -193,7 +194,7 @@ glue("real_layers", qmtp.QWEN36_35B_A3B.num_hidden_layers, display=False)
 #
 # ## Measured: prefilled tokens and time per turn
 #
-# The conversation's four questions, in three template modes; at every turn a fresh `qmtp.generate` of the same
+# The conversation's {glue:text}`questions` questions, in three template modes; at every turn a fresh `qmtp.generate` of the same
 # history runs beside the conversation's turn, the two in alternating order, {glue:text}`repeats` times after an
 # untimed run; medians (`qmtp.book.conversations.measure_turns`).
 
