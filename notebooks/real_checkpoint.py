@@ -257,3 +257,5 @@ glue("conv_saved", fresh.stats.prefilled_tokens - second.stats.prefilled_tokens,
 # The second turn ran {glue:text}`conv_saved` fewer prompt tokens than the fresh run and gave
 # {glue:text}`conv_same`. On the bundled model a prefill is milliseconds either way; on the real model every
 # prompt token is a position of a full pass, so the tokens saved are what a long conversation saves.
+# {doc}`Chapter 10 <10_conversations>` explains which part of a turn's prompt can be kept and why the reply is
+# unchanged, and times a conversation's turns with thinking on, off and kept against fresh runs.
