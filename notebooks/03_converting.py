@@ -24,8 +24,9 @@
 # The head stays in bf16 unless `mtp_bits` asks otherwise, for two reasons. It is a small share of the file
 # ({doc}`01_anatomy` sizes it at each width), so rounding it saves little. And a drafter is worth only as much
 # as it agrees with the trunk, and rounding its weights changes its drafts, not the trunk's choices, so it can
-# lower that agreement; lemon-mlx-engine's model card recommends a bf16 head. What each head width costs in acceptance is measured in {doc}`04_quantizing`, on the
-# bundled model only: whether the real head keeps its acceptance at fewer bits needs its weights.
+# lower that agreement; lemon-mlx-engine's model card recommends a bf16 head. What each head width costs in
+# acceptance is measured in {doc}`04_quantizing`, on the bundled model only: whether the real head keeps its
+# acceptance at fewer bits needs its weights.
 #
 # :::{admonition} What you will learn, what runs here
 # :class: tip
