@@ -151,7 +151,9 @@ saved = results.save("01_anatomy", path, {
 #
 # 1. Size the head of the model this page reads (the bundled tiny one unless `QMTP_MODEL` names another) at each
 #    width: call `sizes.sizes(config, bits=4, mtp_bits=w).head_bytes` for `w` in `(None, 8, 4)` (`config` is
-#    that model's, read above; `None` keeps the head in bf16) and compare the ratios with the real model's.
+#    that model's, read above; `None` keeps the head in bf16) and compare the ratios with the real model's. The
+#    real model needs no download for this: pass `qmtp.QWEN36_35B_A3B`, its released config, in place of `config`
+#    (as `head_sizes` above does).
 #
 #    *Where the answer shows:* divide each by the bf16 size, and do the same with `head_sizes` above for the real
 #    model: the tiny head shrinks less than the real one, and the head's rows of the table in *What is stored, by

@@ -108,7 +108,8 @@ prompt = "Once upon a time, a little fox named"
 # ## Each fix alone, both, neither
 #
 # Held-out accuracy and perplexity are measured on documents of the generated corpus that the model
-# never saw in training; the continuation is greedy.
+# never saw in training. The column *what happens* is either MLX's error, where a load fails, or the greedy
+# continuation of the prompt "Once upon a time, a little fox named". {glue:md}`demo_text_note`
 
 # %%
 variants = {
@@ -125,6 +126,7 @@ Markdown(mistakes.outcome_table(runs, "load"))
 
 # %% tags=["remove-cell"]
 glue("acc_both", runs["both fixes"]["accuracy"], display=False)
+glue("demo_text_note", Markdown(evaluate.generated_text_note(config, FULL)), display=False)
 glue("acc_no_norm", runs["conv fix only"]["accuracy"], display=False)
 glue("ppl_both", runs["both fixes"]["perplexity"], display=False)
 glue("ppl_no_norm", runs["conv fix only"]["perplexity"], display=False)

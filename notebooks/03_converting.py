@@ -21,6 +21,13 @@
 # quantized and the head kept in bf16. It streams: one tensor group at a time is read, fixed,
 # quantized and written, into a temporary folder that is renamed into place only when it is complete.
 #
+# The head stays in bf16 unless `mtp_bits` asks otherwise, for two reasons. It is a small share of the file
+# ({doc}`01_anatomy` sizes it at each width), so rounding it saves little. And a drafter is worth only as much
+# as it agrees with the trunk, and rounding its weights changes its drafts, not the trunk's choices, so it can
+# lower that agreement; lemon-mlx-engine's model card recommends a bf16 head. What each head width costs in
+# acceptance is measured in {doc}`04_quantizing`, on the bundled model only: whether the real head keeps its
+# acceptance at fewer bits needs its weights.
+#
 # :::{admonition} What you will learn, what runs here
 # :class: tip
 #
@@ -95,8 +102,8 @@ glue("copy_s", copy_seconds, display=False)
 # The conversion read {glue:text}`source_mb:.1f` MB of source in {glue:text}`convert_s:.2f` s
 # ({glue:text}`convert_mb_s:.0f` MB/s), where copying the same files took {glue:text}`copy_s:.3f` s. At this size
 # the time is mostly fixed costs (starting the streams and the writer, reading the tokenizer, writing the
-# metadata), so it says nothing of a full-size conversion: how fast `convert` streams tens of gigabytes is what
-# `python -m qmtp bench convert` measures (*How a conversion streams*, below).
+# metadata), so it says nothing of a full-size conversion; the one measured at full size is in *How a conversion
+# streams*, below.
 
 # %% [markdown]
 # ## What moves where
@@ -273,9 +280,40 @@ saved = results.save(
 # rows at a time (a few experts; the gate or up half of a fused tensor read straight from the file, without
 # mapping it), fixes and quantizes it on two CPU streams while a worker thread hands the previous blocks to
 # the writer, and renames the finished folder into place only after its files are on the disk. What that buys
-# in time and memory is measured by `python -m qmtp bench convert`, not here: it writes a synthetic checkpoint
-# of the real layer widths of at least 4 GB and times qmtp, `mlx_lm.convert` and a plain `cp` of the source in
-# the same run, with each one's peak memory, which takes a few minutes and several gigabytes of disk.
+# in time and memory is measured by `python -m qmtp bench convert`: it writes a synthetic checkpoint of the real
+# layer widths and times qmtp (and, if asked, `mlx_lm.convert`) beside a plain `cp` of the source in the same
+# run, with each one's peak memory. At full size that takes minutes, so it ran once outside this build, and
+# this page reads the report it saved:
+#
+# {glue:md}`full_conversion`
+
+# %% tags=["remove-cell"]
+full_run = budget.saved_conversion()
+if full_run is None:
+    full_conversion = ("No full-size conversion was saved for this build (`python -m qmtp bench convert --preset "
+                       "qwen3.6-35b-a3b` makes one).")
+else:
+    qmtp_run, cp_run = full_run["tools"]["qmtp"], full_run["tools"]["cp"]
+    read_gb = full_run["source_bytes"] / 1e9
+    written_gb = qmtp_run["output_bytes"] / 1e9
+    disk_floors = "; ".join(
+        f"{(read_gb + written_gb) / rate / 60:.1f} min on {disk} (assumed {rate:g} GB/s, not measured)"
+        for disk, rate in budget.ASSUMED_DISK_GB_PER_S.items())
+    full_conversion = (
+        f"Measured {full_run['when']} on {full_run['where']}: `qmtp convert` turned a synthetic checkpoint of the "
+        f"real model's shapes ({full_run['num_hidden_layers']} layers, {full_run['num_experts']} experts, "
+        f"{read_gb:.0f} GB of bf16 source) into a {full_run['bits']}-bit one of {written_gb:.0f} GB in "
+        f"{qmtp_run['seconds'] / 60:.1f} min, {qmtp_run['source_mb_per_second']:.0f} MB of source per second, "
+        f"with a peak of {qmtp_run['peak_rss_bytes'] / 2**20:.0f} MiB resident, where `cp` of the same files took "
+        f"{cp_run['seconds']:.1f} s. That `cp` time shows what the source was: a sparse file whose expert "
+        f"weights are holes, read as zeros without touching the disk. So the measured minutes are the CPU's work "
+        f"(fixing, quantizing and writing) on that machine. For the real checkpoint the release must also be "
+        f"read from disk: moving {read_gb:.0f} GB in and {written_gb:.0f} GB out takes at least {disk_floors}. "
+        f"A real conversion takes at least the longer of that disk time and the CPU's; how far the two overlap "
+        f"was not measured, and the CPU's time is one shared two-core machine's, which does not carry over to "
+        f"another. The peak memory is what carries over: `convert` holds a few blocks, not the model, so it "
+        f"needs little memory at any size.")
+glue("full_conversion", Markdown(full_conversion), display=False)
 
 # %% [markdown]
 # ## Exercises

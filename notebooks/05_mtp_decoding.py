@@ -108,9 +108,10 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # :dedent: 4
 # ```
 #
-# Sampling replaces these argmaxes by argmaxes of the log-probabilities plus Gumbel noise made from the seed
-# and the position (`Coupled.accept`; Leviathan et al.'s rejection sampling, `Rejection.accept`, is the other
-# choice), whose tokens have the distribution of sampling the trunk alone (*Acceptance under sampling*, below).
+# Sampling replaces these argmaxes by argmaxes of the log-probabilities plus Gumbel noise made from the
+# {term}`random seed` (the random generator's starting value, so that a sampled run can be repeated) and the
+# position (`Coupled.accept`; Leviathan et al.'s rejection sampling, `Rejection.accept`, is the other choice),
+# whose tokens have the distribution of sampling the trunk alone (*Acceptance under sampling*, below).
 #
 # **Roll back.** Attention needs nothing: the offset advances by the kept tokens, and the entries past it
 # are masked and later overwritten. A linear-attention layer has one state, not one entry per position, so
@@ -150,7 +151,9 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # ## A worked example
 #
 # Each row is one trunk pass at `n_draft=3`: the head's drafts that the trunk accepted, the first one it
-# rejected, and the token the trunk adds itself.
+# rejected, and the token the trunk adds itself. {glue:md}`demo_text_note` Here the story matters less than
+# the colours: how many drafts each pass keeps; the text itself is plain greedy decoding's, token for token
+# (checked next).
 
 # %% mystnb={"figure": {"caption": "The worked example, one row per trunk pass at n_draft 3: {glue:text}`ex_tokens` tokens in {glue:text}`ex_passes` passes after the prefill, {glue:text}`ex_accepted` of the head's {glue:text}`ex_proposed` drafts accepted (green), the first draft rejected in a pass struck out (red), and the trunk's own token ending each pass (blue).", "name": "fig-worked-example"}}
 example = qmtp.generate(
@@ -164,6 +167,7 @@ fig = plots.speculative_steps(example, model.tokenizer)
 # %% tags=["remove-cell"]
 example_passes = plots.shown_passes(example)
 glue("ex_tokens", len(example.tokens), display=False)
+glue("demo_text_note", Markdown(evaluate.generated_text_note(config, FULL)), display=False)
 glue("ex_passes", len(example_passes), display=False)
 glue("ex_accepted", sum(len(a) for a, _, _ in example_passes), display=False)
 proposed = sum(len(a) + (r is not None) for a, r, _ in example_passes)
@@ -194,7 +198,9 @@ glue("lossless_mismatches", mismatches, display=False)
 # ## Acceptance as the drafts grow longer
 #
 # A draft at position `i` is proposed only when the drafts before it were accepted; its acceptance is
-# counted over those occasions.
+# counted over those occasions. The book counts {term}`acceptance` one way, drafts kept over drafts proposed,
+# and says at each figure and table which reading it shows: per draft position, or all drafts together
+# (overall). The tokens a pass yields are a different quantity, {term}`tokens per pass`.
 
 # %% mystnb={"figure": {"caption": "Left: acceptance at each draft position, one line per n_draft, nudged sideways so that none hides another: the first draft is accepted {glue:text}`acc_n2:.2f` of the time at n_draft 2, the second {glue:text}`acc_n3_second:.2f` of the times it is proposed at n_draft 3. Right: tokens per trunk pass, from {glue:text}`tpp_n2:.2f` at n_draft 2 to {glue:text}`tpp_n5:.2f` at {glue:text}`n_wide`.", "name": "fig-acceptance-position"}}
 by_n = {
@@ -298,7 +304,7 @@ glue("worst_register_acc", per_register[worst_register], display=False)
 # shared expert only), with its weights rounded to fewer bits, and fed the trunk's state before the
 # final norm instead of after it.
 
-# %% mystnb={"figure": {"caption": "Acceptance at n_draft 2 with parts of the head taken away: {glue:text}`acc_n2:.2f` for the complete head, {glue:text}`acc_no_experts:.2f` without its routed experts, {glue:text}`acc_prenorm:.2f` fed the pre-norm state, {glue:text}`acc_head4:.2f` with its weights rounded to 4 bits and {glue:text}`acc_head3:.2f` at 3 bits.", "name": "fig-ablation"}}
+# %% mystnb={"figure": {"caption": "Acceptance at n_draft 2 with parts of the head taken away: {glue:text}`acc_n2:.2f` for the complete head, {glue:text}`acc_no_experts:.2f` without its routed experts, {glue:text}`acc_head8:.2f` with its weights rounded to 8 bits, {glue:text}`acc_head4:.2f` to 4 bits and {glue:text}`acc_head3:.2f` to 3 bits, {glue:text}`acc_prenorm:.2f` fed the pre-norm state.", "name": "fig-ablation"}}
 variants = {
     "complete head, bf16": dict(),
     "no routed experts": dict(head=mtp.without_routed_experts(model.mtp)),
@@ -324,6 +330,7 @@ fig = plots.bars(list(ablation), list(ablation.values()), "acceptance at n_draft
 # %% tags=["remove-cell"]
 glue("acc_no_experts", ablation["no routed experts"], display=False)
 glue("acc_prenorm", ablation["pre-norm hidden state"], display=False)
+glue("acc_head8", ablation["head weights 8-bit"], display=False)
 glue("acc_head4", ablation["head weights 4-bit"], display=False)
 glue("acc_head3", ablation["head weights 3-bit"], display=False)
 
@@ -348,7 +355,7 @@ glue("acc_head3", ablation["head weights 3-bit"], display=False)
 # Each runs at `n_draft=2` (the first draft) and `n_draft=3` (the second draft, proposed when the first was
 # accepted); the last option touches only the second.
 
-# %% mystnb={"figure": {"caption": "Acceptance of the first draft (n_draft 2) and of the second (n_draft 3) with each engine's choice, on the same prompts: {glue:text}`ch_default_first:.2f` and {glue:text}`ch_default_second:.2f` with the head's cache kept and post-norm inputs, {glue:text}`ch_reset_first:.2f` and {glue:text}`ch_reset_second:.2f` with its cache reset every step, {glue:text}`ch_pre_first:.2f` and {glue:text}`ch_pre_second:.2f` fed the pre-norm trunk state, {glue:text}`ch_chain_second:.2f` for the second draft chained on the head's pre-norm output.", "name": "fig-engine-choices"}}
+# %% mystnb={"figure": {"caption": "Acceptance of the first draft (n_draft 2) and of the second (n_draft 3) with each engine's choice, on the same prompts: {glue:text}`ch_default_first:.2f` and {glue:text}`ch_default_second:.2f` with the head's cache kept and post-norm inputs, {glue:text}`ch_reset_first:.2f` and {glue:text}`ch_reset_second:.2f` with its cache reset every step, {glue:text}`ch_pre_first:.2f` and {glue:text}`ch_pre_second:.2f` fed the pre-norm trunk state, {glue:text}`ch_lemon_first:.2f` and {glue:text}`ch_lemon_second:.2f` with both (cache reset and pre-norm state, as lemon-mlx-engine runs), {glue:text}`ch_chain_first:.2f` and {glue:text}`ch_chain_second:.2f` with the second draft chained on the head's pre-norm output (the first draft is not chained, so only the second can differ).", "name": "fig-engine-choices"}}
 WIDTHS = (2, 3)
 choices = {
     label: {
@@ -385,10 +392,13 @@ for short, label in names.items():
 # lose speed in ik_llama.cpp {cite:p}`ikllama1815`.
 #
 # **Which state the real head expects.** The reference implementations feed the head the trunk's state after
-# its final norm, the tensor lm_head scores (vLLM {cite:p}`vllmmtp`; mlx-vlm {cite:p}`mlxvlm`), and the paired
-# measurements published on this family favour it: llama.cpp's acceptance on Qwen3.6 rose when it switched to
-# the post-norm state {cite:p}`llamacpp24025`, and LightLLM's accept length on Qwen3.5-0.8B went from 1.80 to 2.74
-# {cite:p}`lightllm1402`. Others feed the pre-norm state (lemon-mlx-engine; vllm-mlx since {cite:p}`vllmmlx660`,
+# its final norm, the tensor lm_head scores (vLLM {cite:p}`vllmmtp`; mlx-vlm {cite:p}`mlxvlm`), and the two
+# published measurements this book found that compare the two states on one engine and model of this family both
+# favour it: llama.cpp's acceptance on Qwen3.6, prompt by prompt, rose when it switched to the post-norm state
+# {cite:p}`llamacpp24025`, and LightLLM's "accept length" on Qwen3.5-0.8B went from 1.80 to 2.74
+# {cite:p}`lightllm1402` (tokens per step, this book's {term}`tokens per pass`, not an acceptance rate). Those
+# two comparisons are all this book found; they do not show what the choice costs on every engine. Others feed
+# the pre-norm state (lemon-mlx-engine; vllm-mlx since {cite:p}`vllmmlx660`,
 # which argues from the head's own input norm and reports no measurement). This book feeds the post-norm state.
 # The tiny model cannot settle it: {glue:text}`prepost_verdict`. The head normalises what it is fed, and the
 # final norm is an RMSNorm, so pre- and post-norm inputs differ only through the final norm's weight of each
@@ -507,7 +517,7 @@ glue(
 # %% [markdown]
 # The first draft is accepted {glue:text}`acc_n2:.2f` of the time greedily, {glue:text}`sample_0.6_first:.2f`
 # at temperature 0.6 and {glue:text}`sample_1.0_first:.2f` at 1.0: acceptance {glue:text}`sampling_verdict`.
-# Sampled rates depend on the draws: they are single runs with one seed.
+# Sampled rates depend on the draws: each is a single run from one random seed.
 #
 # ## Acceptance under the chat template
 #
@@ -518,7 +528,12 @@ glue(
 # mode 0.7, 0.8, 20, presence 1.5. The bundled
 # model speaks the same format (its card says how it learned it); here are replies to held-out conversations
 # (`evaluate.chat_prompts`, requests of the corpus's kinds), drafted at a fixed width, each sampler with
-# thinking on and off (`evaluate.chat_acceptance`; sampled rows use one seed per conversation):
+# thinking on and off (`evaluate.chat_acceptance`; each sampled conversation is one run, from a random seed of
+# its own: 0, 1, 2, ...). *Per draft position* is the acceptance of the i-th draft over the times it was
+# proposed; *overall* is all kept drafts over all proposed. On the bundled model, read the rows with thinking
+# off: those with thinking on measure a canned opening thought, greedy ones most of all (greedy decoding writes
+# the same fixed thought for every request of a kind, so its drafts are the same few tokens each time), as the
+# paragraphs after the table explain.
 
 # %%
 CHAT_WIDTH = budget.CHAT["n_draft"] if FULL else 4
@@ -573,8 +588,8 @@ else:
 # `qmtp.tiny.chat_corpus`), which the head drafts almost without fault: the rows with thinking on
 # ({glue:text}`chat_greedy_on:.2f` greedy, {glue:text}`chat_thinking_on:.2f` with the thinking sampler) measure
 # that fixed text, not thinking. The real model's thoughts are free text, and what they do to acceptance needs its
-# weights. The rows are single runs with one seed per conversation on a few conversations; the bundled model's card
-# measures the same table on more of them and longer replies.
+# weights. The rows are single runs on a few conversations, each sampled from its own random seed; the bundled
+# model's card measures the same table on more of them and longer replies.
 #
 # ## Explorer
 #

@@ -47,3 +47,10 @@ def test_width_and_acceptance_tables():
     chat = [{"sampler": "greedy", "thinking": True, **rate}]
     assert "| greedy | on | 0.80, 0.60 | 0.80 | 2.30 |" in evaluate.chat_table(chat)
     assert len(_rows(outside_build.on_bundled_table())) == len(outside_build.ON_BUNDLED)
+
+
+def test_generated_text_note_sizes_the_tiny_model_from_its_config():
+    config = qmtp.ModelConfig.from_file(BUNDLED_MODEL)
+    millions = sizes.parameter_counts(config)["total"] / 1e6
+    assert f"{millions:.1f} million parameters" in evaluate.generated_text_note(config, full=False)
+    assert "tiny" not in evaluate.generated_text_note(qmtp.QWEN36_35B_A3B, full=True)
