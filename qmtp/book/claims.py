@@ -157,9 +157,9 @@ def head_width_cost(by_width: dict) -> str:
     bf16, four = by_width["bf16"], by_width.get("4", by_width.get(4))
     loss = bf16 - four
     change = (f"costs {loss:.3f} of acceptance" if loss > 0 else
-              f"gains {-loss:.3f} of acceptance" if loss < 0 else "leaves acceptance unchanged")
+              f"adds {-loss:.3f} to acceptance" if loss < 0 else "leaves acceptance unchanged")
     rule = "at least" if loss >= HEAD_WIDTH_COST else "less than"
-    return (f"a 4-bit head is accepted {four:.3f} of the time against {bf16:.3f} in bf16: 4 bits {change}, "
+    return (f"a 4-bit head is accepted {four:.3f} of the time against {bf16:.3f} in bf16: quantizing it to 4 bits {change}, "
             f"{rule} the {HEAD_WIDTH_COST} that counts as a cost")
 
 
