@@ -398,7 +398,7 @@ saved = results.save(
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Quantize the head to 4 bits and measure its acceptance: `qmtp.convert(path, dst, bits=8, mtp_bits=4)`,
