@@ -207,8 +207,8 @@ glue(
 # ## The field beside the cost model
 #
 # Published measurements of MTP on Qwen3.5/3.6-35B-A3B, one request at a time, from `qmtp.book.published`.
-# Every row is a figure someone else measured, not this book; a source not readable here when this was
-# written is marked "as reported in". The engines count draft length differently; this book counts the
+# Every row is a figure someone else measured, not this book; a row known only from a second-hand account,
+# not checked at its original source, is marked "as reported in" (unverified). The engines count draft length differently; this book counts the
 # tokens one trunk pass verifies, the trunk's own included. Each engine's option, and the value of it that
 # gives `n_draft` 1 to 4 ("→ 2" is `n_draft=2`):
 
