@@ -54,7 +54,7 @@ from IPython.display import Markdown
 from myst_nb import glue
 from qmtp import mtp, quant, sizes
 from qmtp.book import budget, evaluate, inventory, machine, plots, quality, results
-from qmtp.book.claims import HEAD_WIDTH_COST
+from qmtp.book.claims import HEAD_WIDTH_COST, head_width_cost
 from qmtp.convert import convert
 
 warnings.simplefilter("ignore", UserWarning)
@@ -299,6 +299,8 @@ head_4_drop = head_acc["bf16"] - head_acc[4]
 glue("head_4_drop", head_4_drop, display=False)
 glue("head_cost_rule", HEAD_WIDTH_COST, display=False)
 glue("head_4_reading", "at least" if head_4_drop >= HEAD_WIDTH_COST else "less than", display=False)
+glue("head_4_cost", head_width_cost(head_acc), display=False)
+glue("head_4_saves_mb", (head["bf16"]["head_bytes"] - head[4]["head_bytes"]) / 1e6, display=False)
 bf16_rate, bf16_drafts = head_acc["bf16"], head["bf16"].get("drafts_n_draft_2", 0)
 head_noise = 2 * math.sqrt(bf16_rate * (1 - bf16_rate) / bf16_drafts) if bf16_drafts else float("nan")
 glue("head_noise", head_noise, display=False)
@@ -317,17 +319,19 @@ glue(
 #
 # Set the two 4-bit choices side by side. Taking the trunk from 8 to 4 bits costs
 # {glue:text}`trunk_4_drop:.3f` of acceptance (from {glue:text}`trunk_8_acc:.3f` to
-# {glue:text}`trunk_4_acc:.3f`), although its perplexity rises by only {glue:text}`trunk_4_ppl_rise:.1%`;
-# taking the head from bf16 to 4 bits costs {glue:text}`head_4_drop:.3f`, {glue:text}`head_4_reading` the
-# {glue:text}`head_cost_rule` of acceptance that {doc}`08_claims` counts as a cost (its rule for the claim "keep
-# the head in bf16") and {glue:text}`head_noise_reading` twice the sampling error of the bf16 head's rate
+# {glue:text}`trunk_4_acc:.3f`), although its perplexity rises by only {glue:text}`trunk_4_ppl_rise:.1%`.
+# For the head, {glue:text}`head_4_cost` (the rule {doc}`08_claims` applies to the claim "keep the head in
+# bf16"); the difference is {glue:text}`head_noise_reading` twice the sampling error of the bf16 head's rate
 # ({glue:text}`head_noise:.3f`, a rate over this many drafts). So on this model a 4-bit head costs {glue:text}`head_vs_trunk` than a 4-bit trunk. A
 # drafter is judged on whether it agrees with its verifier, and a 4-bit trunk changes both sides at once: the head
 # reads the quantized trunk's hidden state, which it was not trained on, and is checked against the quantized
 # trunk's choices, where a small shift in the logits flips a near-tie. A 4-bit head changes only the drafter.
-# Neither number is a verdict on lemon-mlx-engine's rule (keep the head in bf16): the tiny model's head is small
-# and its task easy, whether the real head tolerates 4 bits is not something this model can show, and
-# {doc}`08_claims` rates the rule not testable here.
+#
+# This book converts with the head in bf16 (`mtp_bits=None`, the default) because the release ships it in bf16
+# and keeping it so changes nothing the head computes; a 4-bit head would save {glue:text}`head_4_saves_mb:.1f` MB
+# here. What the tiny model shows is only the cost measured above, on its small head and easy task. Whether the
+# real head keeps its acceptance at 4 bits is not tested in this book, so {doc}`08_claims` rates lemon-mlx-engine's
+# rule (keep the head in bf16) not testable here, from these same two numbers.
 
 # %% [markdown]
 # ## Checking the backend
@@ -340,10 +344,11 @@ backend = quant.check_backend()
 print(quant.report(backend))
 
 # %% [markdown]
-# A fault of this kind is this project's own finding, from reading the source, not a published report: in the
-# ROCm build of MLX that lemon-mlx-engine builds on (the `rocm-support` branch of NripeshN/mlx
-# {cite:p}`nripeshmlxrocm`), `mlx/backend/rocm/quantized/qmm.hip` sent 6-bit weights down its tiled
-# quantized-matmul path, which handled only 4 and 8 bits, and so returned uninitialised memory.
+# A fault of this kind is said to exist in the ROCm build of MLX that lemon-mlx-engine builds on (the
+# `rocm-support` branch of NripeshN/mlx {cite:p}`nripeshmlxrocm`): its `mlx/backend/rocm/quantized/qmm.hip`
+# sent 6-bit weights down a tiled quantized-matmul path that handled only 4 and 8 bits, and so returned
+# uninitialised memory. This is unverified: it rests on a reading of that source file, not on a published bug
+# report, and no ROCm machine ran it for this book; the reader can read the file at the link.
 # `quant.simulated_fault(6)` makes this machine's MLX behave that way, to show what the check reports and what a 6-bit model then writes.
 
 # %%
@@ -393,7 +398,7 @@ saved = results.save(
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Quantize the head to 4 bits and measure its acceptance: `qmtp.convert(path, dst, bits=8, mtp_bits=4)`,

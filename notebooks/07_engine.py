@@ -341,21 +341,9 @@ glue("wide_gap_ms", gap_ms, display=False)
 glue("lm_whole_ms", lm_head["whole"] * 1e3, display=False)
 glue("lm_split_ms", lm_head["split"] * 1e3, display=False)
 glue("lm_blocks", lm_head["blocks"], display=False)
-if lm_head["blocks"] == 1:
-    gap_reading = ("qmtp does not split lm_head on this machine (one usable core, or a float weight under "
-                   "OpenBLAS), so the split explains none of the gap, and what does is not measured here")
-elif saved_ms <= 0:
-    gap_reading = "the split saves nothing measurable here, so the gap comes from elsewhere, not measured here"
-elif gap_ms <= 0:
-    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, yet qmtp is not the faster engine here: "
-                   "what it loses elsewhere is not measured apart here")
-elif saved_ms >= gap_ms:
-    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, as much as the whole gap or more, so it accounts "
-                   "for qmtp's lead; what qmtp spends of that saving elsewhere is not measured apart here")
-else:
-    gap_reading = (f"the split saves {saved_ms:.0f} ms a token, {saved_ms / gap_ms:.0%} of the gap; the rest of "
-                   "it is not measured apart here (the other difference between the two engines' code is qmtp's "
-                   "compiled step, which fuses the elementwise work between the products)")
+gap_reading = peer.real_width_gap(wide["engines"]["qmtp"]["tokens_per_second"],
+                                 wide["engines"]["mlx-lm"]["tokens_per_second"],
+                                 lm_head["whole"] * 1e3, lm_head["split"] * 1e3, lm_head["blocks"])
 glue("gap_reading", gap_reading, display=False)
 
 # %% [markdown]

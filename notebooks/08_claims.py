@@ -207,8 +207,8 @@ glue(
 # ## The field beside the cost model
 #
 # Published measurements of MTP on Qwen3.5/3.6-35B-A3B, one request at a time, from `qmtp.book.published`.
-# Every row is a figure someone else measured, not this book; a source not readable here when this was
-# written is marked "as reported in". The engines count draft length differently; this book counts the
+# Every row is a figure someone else measured, not this book; a row known only from a second-hand account,
+# not checked at its original source, is marked "as reported in" (unverified). The engines count draft length differently; this book counts the
 # tokens one trunk pass verifies, the trunk's own included. Each engine's option, and the value of it that
 # gives `n_draft` 1 to 4 ("→ 2" is `n_draft=2`):
 
@@ -354,11 +354,12 @@ Markdown(
 # its tokens; this CPU, at the real widths, is not such a machine: there a wider pass costs far more than its
 # bytes add.
 #
-# ## Measured outside this build: acceptance on the bundled model
+# ## Unverified, measured outside this build: acceptance on the bundled model
 #
-# One more figure concerns this book's own bundled model, and it is not a published one: this project ran
-# lemon-mlx-engine and qmtp on the same 8-bit conversion of the bundled model, on the same prompts, outside this
-# build, and recorded the result in its notes {cite:p}`qmtplemon2026`. lemon-mlx-engine resets its head's KV
+# One more figure concerns this book's own bundled model, and it is neither published nor reproducible from this
+# book: its authors ran lemon-mlx-engine and qmtp on the same 8-bit conversion of the bundled model, on the same
+# prompts, outside this build {cite:p}`qmtplemon2026`. No published record or script backs it, so it is
+# unverified and is no evidence for any verdict above; it is shown as a lead to check. lemon-mlx-engine resets its head's KV
 # cache every step and feeds the head the trunk's state before the final norm; qmtp keeps the cache and feeds
 # the state after it ({doc}`05_mtp_decoding`). The last row is this build's own measurement, from chapter 5,
 # on the model as that chapter decodes it (not the 8-bit file).
@@ -368,7 +369,7 @@ outside = [
     dict(
         r,
         acceptance=f"{r['acceptance'][0]:.2f}-{r['acceptance'][1]:.2f}",
-        by=f"{outside_build.MEASURED_BY}, {{cite:p}}`{r['source']}`",
+        by=f"{outside_build.MEASURED_BY}, unverified, {{cite:p}}`{r['source']}`",
     )
     for r in outside_build.ON_BUNDLED
 ]
@@ -407,7 +408,7 @@ _ = results.save(  # the path it returns is not for the reader
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Run chapters 1 to 8 with `QMTP_MODEL` pointing at a converted folder (exercise 2 of {doc}`01_anatomy`).

@@ -93,8 +93,8 @@ Markdown(
 #
 # ### The family's larger members
 #
-# No `config.json` of Qwen3.5-122B-A10B or Qwen3.5-397B-A17B was readable at Qwen's own pages from this
-# project; their shapes come from **third-party copies** (`qmtp.book.published.THIRD_PARTY_CONFIGS`): for the
+# The shapes of Qwen3.5-122B-A10B and Qwen3.5-397B-A17B used here are not checked against Qwen's own
+# `config.json` (unverified): they come from **third-party copies** (`qmtp.book.published.THIRD_PARTY_CONFIGS`): for the
 # 122B-A10B the values several copies agree on, for the 397B-A17B the model script of THUDM's slime
 # {cite:p}`slime397b` with the values most copies agree on. The copies disagree on one value of the 397B-A17B,
 # its shared expert's width: {glue:text}`shared_disagreement`. Each row counts the parameters of the config

@@ -29,7 +29,7 @@
 import qmtp
 from IPython.display import Markdown
 from myst_nb import glue
-from qmtp.book import budget, cost_model, inventory, machine, published, results, throughput
+from qmtp.book import budget, cost_model, inventory, machine, peer, published, results, throughput
 
 path = inventory.model_path()
 print(inventory.describe(path))
@@ -248,9 +248,11 @@ glue("f_no_experts", decoding["ablation"]["no routed experts"], display=False)
 # 7. **Quantization: the trunk's width matters, the tiny head's hardly.** Acceptance at `n_draft=2` is
 #    {glue:text}`f_trunk_acc_4` with a 4-bit trunk and {glue:text}`f_trunk_acc_2` with a 2-bit one; the
 #    head at 4 bits keeps {glue:text}`f_head_acc_4:.3f` against {glue:text}`f_head_acc_bf16:.3f` in bf16
-#    ({glue:text}`f_head_acc_3:.3f` at 3 bits). {doc}`04_quantizing`
+#    ({glue:text}`f_head_acc_3:.3f` at 3 bits), each with the trunk at 8 bits on chapter 4's prompts, so these
+#    rates differ from finding 8's, measured on chapter 5's model and prompts. {doc}`04_quantizing`
 # 8. **Acceptance.** The {term}`trunk` accepts {glue:text}`f_acc2:.2f` of the {term}`head`'s drafts at
-#    {term}`n_draft` = 2, {glue:text}`f_tpp2:.2f` {term}`tokens per pass`; at `n_draft=3` the second draft is
+#    {term}`n_draft` = 2, {glue:text}`f_tpp2:.2f` {term}`tokens per pass`, on chapter 5's model and prompts
+#    (chapters 6 and 7 time other prompts and lengths, so their tokens per pass differ); at `n_draft=3` the second draft is
 #    accepted {glue:text}`f_pos2:.2f` of the times it is proposed, a property of this book's head, retrained on
 #    its own drafts{glue:text}`f_pos2_before`.
 #    Without its routed experts the head's acceptance is {glue:text}`f_no_experts:.2f`. {doc}`05_mtp_decoding`
@@ -290,6 +292,9 @@ glue(
 glue("f_auto", engine["auto_over_best_fixed"], display=False)
 glue("f_auto_plain", engine["auto_over_plain"], display=False)
 glue("f_rw_mlx_lm", engine["real_width_qmtp_over_mlx_lm"], display=False)
+wide_tps, wide_lm_head = engine["real_width_tokens_per_second"], engine["real_width_lm_head_ms"]
+glue("f_rw_gap", peer.real_width_gap(wide_tps["qmtp"], wide_tps["mlx-lm"], wide_lm_head["whole"],
+                                     wide_lm_head["split"], wide_lm_head["blocks"]), display=False)
 rows = {r["pass"]: r for r in throughput_saved["real_width"]["rows"]}
 glue("f_rw_layers", throughput_saved["real_width"]["layers"], display=False)
 glue("f_rw_plain_ms", rows["plain, 1 token"]["seconds"] * 1e3, display=False)
@@ -334,8 +339,8 @@ glue(
 #     {glue:text}`f_rw_plain_ms:.0f` ms; a verify pass over two tokens {glue:text}`f_rw_v2_time:.2f`x as long
 #     while reading {glue:text}`f_rw_v2_bytes:.2f`x the bytes: this CPU's quantized kernels are
 #     {glue:text}`f_rw_bound`, a step at `n_draft=2` costs {glue:text}`f_rw_break_even:.2f` plain passes, {glue:text}`f_rw_verdict`. At
-#     these widths qmtp decodes at {glue:text}`f_rw_mlx_lm:.2f`x mlx-lm's speed: both wait on MLX's CPU
-#     quantized product. {doc}`06_throughput`, {doc}`07_engine`
+#     these widths qmtp decodes at {glue:text}`f_rw_mlx_lm:.2f`x mlx-lm's speed, both spending most of a token
+#     in MLX's CPU quantized product: {glue:text}`f_rw_gap`. {doc}`06_throughput`, {doc}`07_engine`
 #
 # ## Published elsewhere
 #

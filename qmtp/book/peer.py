@@ -125,3 +125,26 @@ def not_installed_reason(prefix=None) -> str | None:
         return ("this install is `make rocm-venv`'s, which leaves out the `peer` extra (mlx-vlm) because its mlx "
                 "wheel would replace the machine's ROCm build of MLX")
     return why
+
+
+def real_width_gap(qmtp_tps: float, mlx_lm_tps: float, whole_ms: float, split_ms: float, blocks: int) -> str:
+    """Why qmtp and mlx-lm decode at different speeds at the real widths, as far as chapter 7 measured it: how
+    much of the gap per token the split lm_head (`qmtp.cores`, timed alone: `whole_ms` as mlx-lm runs it,
+    `split_ms` in `blocks` blocks as qmtp does) accounts for. Chapter 7 and the findings page say this alike."""
+    gap_ms = (1 / mlx_lm_tps - 1 / qmtp_tps) * 1e3
+    saved_ms = whole_ms - split_ms
+    if blocks == 1:
+        return ("qmtp does not split lm_head on this machine (one usable core, or a float weight under "
+                "OpenBLAS), so the split explains none of the gap, and what does is not measured here")
+    if saved_ms <= 0:
+        return "the split lm_head saves nothing measurable here, so the gap comes from elsewhere, not measured here"
+    if gap_ms <= 0:
+        return (f"the split lm_head saves {saved_ms:.0f} ms a token, yet qmtp is not the faster engine here: "
+                "what it loses elsewhere is not measured apart here")
+    if saved_ms >= gap_ms:
+        return (f"the gap is {gap_ms:.0f} ms a token and the split lm_head saves {saved_ms:.0f} ms, as much as "
+                "the whole gap or more, so it accounts for qmtp's lead; what qmtp spends of that saving elsewhere "
+                "is not measured apart here")
+    return (f"the gap is {gap_ms:.0f} ms a token and the split lm_head saves {saved_ms:.0f} ms of it "
+            f"({saved_ms / gap_ms:.0%}); the rest is not measured apart here (the other difference between the "
+            "two engines' code is qmtp's compiled step, which fuses the elementwise work between the products)")
