@@ -146,7 +146,7 @@ saved = results.save("01_anatomy", path, {
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Size the head of the model this page reads (the bundled tiny one unless `QMTP_MODEL` names another) at each

@@ -265,7 +265,7 @@ saved = results.save(
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Leave one norm kind unfixed: copy `mistakes.with_norm_shift` into a cell, make its test

@@ -318,7 +318,7 @@ glue("full_conversion", Markdown(full_conversion), display=False)
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Convert with the head quantized too: `qmtp.convert(path, dst, bits=4, mtp_bits=4)` into a new temporary

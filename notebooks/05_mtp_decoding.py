@@ -407,10 +407,10 @@ for short, label in names.items():
 # (lowest {glue:text}`prepost_cosine_min:.3f`). How far apart they are on the real model, and what that costs,
 # needs its weights.
 #
-# **lemon-mlx-engine on this model, measured outside this build.** lemon-mlx-engine, which resets the head's
-# cache and feeds it the pre-norm state, was run on this book's bundled model by this project, outside this
-# build; the figures below are from the project's record of that run {cite:p}`qmtplemon2026`: neither
-# published by others nor measured by this build. It ran the bundled model's 8-bit
+# **lemon-mlx-engine on this model: unverified.** lemon-mlx-engine, which resets the head's cache and feeds it
+# the pre-norm state, was run on this book's bundled model by this project's authors, outside this build
+# {cite:p}`qmtplemon2026`. No published record or script a reader can run backs the figures below, so they are
+# unverified, a lead to check and no evidence for a verdict ({doc}`08_claims` says the same). It ran the bundled model's 8-bit
 # conversion with its own code, so quantization differs from the float model measured above, where the same
 # two choices together give {glue:text}`ch_lemon_first:.2f`.
 
@@ -637,7 +637,7 @@ saved = results.save(
 # %% [markdown]
 # ## Exercises
 #
-# Each runs in a minute or less on the bundled tiny model: add a cell below, or change the one named, and run
+# Each runs on the bundled tiny model: add a cell below, or change the one named, and run
 # the notebook (the download button at the top of the page gives it).
 #
 # 1. Change `n_draft` in the worked example (`qmtp.generate(..., n_draft=3)`) to 2 and to 5.

@@ -21,7 +21,7 @@
 # machines this model is meant for a pass takes about as long as reading those weights from memory. A verify
 # pass over `n` tokens reads every dense weight once for all `n`, but in each MoE layer it reads the experts
 # *any* of its tokens chose. This chapter counts those experts, turns bytes into time, predicts the speedup
-# for the real model with its head in bf16 (as this book recommends) and for a dense model of the same active
+# for the real model with its head in bf16 (as the release ships it; a 4-bit head is untested at full size) and for a dense model of the same active
 # size, sets a prediction beside what the tiny model measures here, and times passes at the real widths on
 # this machine, whose answer differs from a memory-bound GPU's for a reason the numbers show. How the
 # decoding loop itself is made lean is {doc}`07_engine`. The arithmetic lives in `qmtp.book.throughput`, the
@@ -195,7 +195,7 @@ fig = plots.expert_union(report, E, k)
 #
 # the overhead being what a pass costs whatever its width (launching kernels, Python, waiting for the
 # host). For the real Qwen3.6-35B-A3B with its trunk at {glue:text}`real_bits` bits and its head in bf16 (as
-# this book converts it: chapter 4 shows why), and a {glue:text}`context`-token context:
+# this book converts it, because the release ships it so; chapter 4 measures a quantized head on the tiny model), and a {glue:text}`context`-token context:
 
 # %% mystnb={"figure": {"caption": "What one pass of the real Qwen3.6-35B-A3B reads, trunk at {glue:text}`real_bits` bits and head in bf16, with a {glue:text}`context`-token context, by term, computed from its config: {glue:text}`real_gb_token:.2f` GB for one token, of which routed experts are {glue:text}`real_expert_share:.0%`; {glue:text}`real_gb_verify2:.2f` GB for a verify pass over two tokens; {glue:text}`real_gb_head:.2f` GB for one step of the bf16 head, most of it lm_head.", "name": "fig-bytes-per-pass"}}
 CONTEXT, BANDWIDTH, BITS = throughput.DEFAULT_CONTEXT, 256 * throughput.GB, 4
@@ -361,7 +361,7 @@ glue(
     display=False,
 )
 
-# %% mystnb={"figure": {"caption": "Predicted speedup over plain decoding for the real model's config on a purely memory-bound machine at {glue:text}`bandwidth_gb:.0f` GB/s, with the reported acceptance and the head in bf16: the MoE with a 4-bit trunk (solid) at best {glue:text}`moe_best:.2f`x, at n_draft {glue:text}`moe_best_n`, a dense model of the same active size (dashed) up to {glue:text}`dense4_best:.2f`x at 4 bits; the grey band is the {glue:text}`claim_low:.1f`x to {glue:text}`claim_high:.1f`x reported for A3B MoE models.", "name": "fig-predicted-speedups"}}
+# %% mystnb={"figure": {"caption": "Predicted speedup over plain decoding for the real model's config on a purely memory-bound machine at {glue:text}`bandwidth_gb:.0f` GB/s, with the reported acceptance and the head in bf16: the MoE with a 4-bit trunk (solid) at best {glue:text}`moe_best:.2f`x, at n_draft {glue:text}`moe_best_n`, a dense model of the same active size (dashed) up to {glue:text}`dense4_best:.2f`x at 4 bits; the grey band is the {glue:text}`claim_low:.1f`x to {glue:text}`claim_high:.1f`x that lemon-mlx-engine's card gives for A3B MoE models, summarising three runs (one engine's summary, not the field's range: the findings page sets the published runs out one by one).", "name": "fig-predicted-speedups"}}
 fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 
 # %% [markdown]

@@ -273,7 +273,8 @@ def expert_union(report: dict, n_experts: int, top_k: int):
 
 def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
     """Predicted speedup over plain decoding against n_draft (rows of `qmtp.book.throughput.real_model_table`): one
-    line per (model, width); the band `claimed` (low, high) marks reported speedups."""
+    line per (model, width); the band `claimed` (low, high) marks the speedups a claim summarises (lemon-mlx-engine's
+    card)."""
     fig, ax = plt.subplots()
     styles = {"MoE": "-", "dense, same active size": "--"}
     widths = sorted({r["bits"] for r in rows})
@@ -284,7 +285,7 @@ def predicted_speedups(rows: list[dict], claimed: tuple | None = None):
             ax.plot([r["n_draft"] for r in line], [r["speedup"] for r in line], styles[model], marker="o", ms=3,
                     color=colours[bits], label=f"{model}, {bits}-bit")
     if claimed:
-        ax.axhspan(*claimed, color="#B0B0B0", alpha=0.3, lw=0, label="reported for A3B MoE models")
+        ax.axhspan(*claimed, color="#B0B0B0", alpha=0.3, lw=0, label="lemon-mlx-engine card's summary for A3B MoE")
     ax.axhline(1.0, color="black", lw=0.6)
     ax.set_xticks(sorted({r["n_draft"] for r in rows}))
     ax.set_xlabel("n_draft")
