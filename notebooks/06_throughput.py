@@ -112,6 +112,8 @@ report = bench.mtp(
 )
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
+
+# %% tags=["hide-input"]
 display(
     Markdown(
         inventory.markdown_table(
@@ -200,6 +202,8 @@ fig = plots.expert_union(report, E, k)
 # %% mystnb={"figure": {"caption": "What one pass of the real Qwen3.6-35B-A3B reads, trunk at {glue:text}`real_bits` bits and head in bf16, with a {glue:text}`context`-token context, by term, computed from its config: {glue:text}`real_gb_token:.2f` GB for one token, of which routed experts are {glue:text}`real_expert_share:.0%`; {glue:text}`real_gb_verify2:.2f` GB for a verify pass over two tokens; {glue:text}`real_gb_head:.2f` GB for one step of the bf16 head, most of it lm_head.", "name": "fig-bytes-per-pass"}}
 CONTEXT, BANDWIDTH, BITS = throughput.DEFAULT_CONTEXT, 256 * throughput.GB, 4
 real4 = sizes(QWEN36_35B_A3B, BITS)  # the head in bf16 (mtp_bits=None)
+
+# %% tags=["remove-cell"]
 glue("real_bits", BITS, display=False)
 glue("context", CONTEXT, display=False)
 glue("bandwidth_gb", BANDWIDTH / throughput.GB, display=False)
@@ -251,6 +255,8 @@ glue("real_gb_head_4", throughput.total(head4) / 1e9, display=False)
 
 # %%
 rows = throughput.real_model_table(bits=(4, 8), bandwidth=BANDWIDTH, context=CONTEXT)
+
+# %% tags=["hide-input"]
 glue("acceptance_rule", throughput.acceptance_rule(), display=False)
 
 
@@ -413,6 +419,8 @@ fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 # %%
 cost = report["cost_model"]
 predicted = {p["n_draft"]: p for p in cost["predictions"]}
+
+# %% tags=["hide-input"]
 display(
     Markdown(
         inventory.markdown_table(
@@ -605,6 +613,8 @@ real_passes = bench.real_width_passes(
 )
 if real is not model:
     del real  # 5 GB: not kept for the rest of the chapter
+
+# %% tags=["hide-input"]
 display(
     Markdown(
         inventory.markdown_table(
@@ -725,7 +735,7 @@ glue(
 # head and the same drafts can answer "does MTP pay?" differently on the two kinds of machine, because each
 # waits for a different resource.
 
-# %%
+# %% tags=["remove-cell"]
 saved = results.save(
     "06_throughput",
     path,
