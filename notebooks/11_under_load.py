@@ -197,7 +197,8 @@ glue("stall_plain_share", plain_join["share_over_twice"] * 100, display=False)
 glue("stall_draft_p90", draft_join["p90_over_step"], display=False)
 glue("stall_draft", draft_join["longest_over_step"], display=False)
 glue("stall_tokens_per_chunk", plain_join["prompt_tokens"] / plain_join["steps_while_joining"], display=False)
-glue("stall_smallest_tokens", plain_join["smallest_chunk_tokens"], display=False)
+smallest = plain_join["smallest_chunk_tokens"]
+glue("stall_smallest_tokens", f"{smallest} token{'' if smallest == 1 else 's'}", display=False)
 glue("stall_smallest_over_step", plain_join["smallest_chunk_seconds"] / plain_join["step_seconds"], display=False)
 glue("stall_verdict", "met at both widths" if max(x["longest_over_step"] for x in stalls) <= 2 else
      "met at neither width" if min(x["longest_over_step"] for x in stalls) > 2 else
@@ -210,7 +211,7 @@ glue("stall_verdict", "met at both widths" if max(x["longest_over_step"] for x i
 # the longest {glue:text}`stall_plain:.2f`x, and {glue:text}`stall_plain_share:.0f`% of the steps took more than
 # twice; at n_draft 3, whose step is longer, the 90th percentile was {glue:text}`stall_draft_p90:.2f`x and the
 # longest {glue:text}`stall_draft:.2f`x. The cause is a chunk's fixed cost: the chunk is a pass of its own over
-# every layer, and the smallest the batch ran ({glue:text}`stall_smallest_tokens` tokens) took
+# every layer, and the smallest the batch ran ({glue:text}`stall_smallest_tokens`) took
 # {glue:text}`stall_smallest_over_step:.2f`x the 4 rows' plain step, whatever its tokens. A step with a chunk costs
 # the rows' step and that floor at least, so the median sits near twice and the machine's noise pushes many steps
 # over; the prompt went in {glue:text}`stall_tokens_per_chunk:.1f` tokens a chunk on average. Keeping under twice
