@@ -303,7 +303,14 @@ def test_a_broken_template_or_nonfinite_logits_fail_that_request_only(model, url
     assert client(url).completions.create(model="tiny", prompt="Hi", max_tokens=5).choices[0].text
 
 
-def test_the_api_key_and_a_full_queue(model):
+def test_the_api_key_and_a_full_queue(model, monkeypatch):
+    real_step = continuous.ContinuousBatch._decode_step
+
+    def slow_step(self):  # the long rows must outlast the checks below, however fast or loaded the machine
+        time.sleep(0.02)
+        return real_step(self)
+
+    monkeypatch.setattr(continuous.ContinuousBatch, "_decode_step", slow_step)
     with running(build(model, n_draft=N_DRAFT, max_batch=1, max_queue=1, api_key="secret")) as base:
         with pytest.raises(openai.AuthenticationError):
             client(base, "wrong").models.list()
@@ -315,7 +322,11 @@ def test_the_api_key_and_a_full_queue(model):
         headers = {"Authorization": "Bearer secret"}
         with httpx.stream("POST", f"{base}/v1/completions", json=long, headers=headers, timeout=30), \
                 httpx.stream("POST", f"{base}/v1/completions", json=long, headers=headers, timeout=30):
-            assert (health(base)["active"], health(base)["waiting"]) == (1, 1)
+            state, deadline = health(base), time.monotonic() + 10
+            while state["active"] == 0 and time.monotonic() < deadline:  # the first row may still be joining
+                time.sleep(0.02)
+                state = health(base)
+            assert (state["active"], state["waiting"]) == (1, 1)
             started = time.monotonic()
             with pytest.raises(openai.RateLimitError):
                 api.completions.create(model="tiny", prompt="Hi", max_tokens=3)
