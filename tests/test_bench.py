@@ -187,3 +187,22 @@ def test_lean_loop_effects_split_the_ablation_into_its_halves():
 def test_effect_phrase_follows_the_ratio(ratio, word):
     phrase = bench.effect_phrase("the trace", ratio)
     assert word in phrase and f"{ratio:.2f}x" in phrase
+
+
+def test_interleaved_pass_costs_times_every_width_in_the_same_rounds(checkpoint, monkeypatch):
+    model = qmtp.load(checkpoint)
+    prompt = [1, 2, 3, 4, 5]
+    clock_reads = []
+    real_clock = bench.time.perf_counter
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock_reads.append(1) or real_clock())
+    costs = bench.interleaved_pass_costs(model, prompt, (1, 2, 3), rounds=4, budget=1e9, warm=2)
+    assert list(costs) == [1, 2, 3]
+    assert set(costs[1]) == {"verify", "rounds"}  # a plain pass drafts nothing
+    assert all(set(costs[n]) == {"verify", "rounds", "head_per_draft"} for n in (2, 3))
+    assert [costs[n]["rounds"] for n in costs] == [4, 4, 4]  # the budget never ran out: every round ran
+    assert all(c["verify"] > 0 for c in costs.values()) and all(costs[n]["head_per_draft"] > 0 for n in (2, 3))
+    shapes = 5  # verify at 1, 2, 3; drafts at 2, 3
+    assert len(clock_reads) == 2 * shapes * (2 + 4)  # each shape: 2 warm-up calls and one call per round
+    spent = bench.interleaved_pass_costs(model, prompt, (1, 2), rounds=50, budget=0.0, warm=1)
+    assert [c["rounds"] for c in spent.values()] == [3, 3]  # no budget left: the three rounds every median needs
+    assert bench.pass_costs(model, prompt, 2, repeats=3, budget=1e9)["rounds"] == 3  # one width, timed alone

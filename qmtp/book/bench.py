@@ -256,54 +256,99 @@ def real_width_model(layers: int = 4, bits: int = 4, seed: int = 0, independent_
 
 def real_width_passes(model: Model, prompt: list[int], n_drafts=(2, 3), budget: float = 4.0) -> dict:
     """What one plain pass, one verify pass over each of `n_drafts` tokens and one head draft cost on this
-    machine (`pass_costs`, each timed alone), beside what they read (`throughput`, independent routing): if
-    time followed bytes, as on a memory-bound machine, each ratio to the plain pass would be its bytes' ratio."""
+    machine (`interleaved_pass_costs`, every width in the same rounds, `budget` seconds of timed calls per
+    width), beside what they read (`throughput`, independent routing): if time followed bytes, as on a
+    memory-bound machine, each ratio to the plain pass would be its bytes' ratio."""
     config = model.config
     in_memory = throughput.sizes_of(model)
     cache_bytes = 4 if model.dtype == mx.float32 else 2
     context = len(prompt)
-    plain = pass_costs(model, prompt, 1, budget=budget)["verify"]
+    widths = tuple(dict.fromkeys((1, *n_drafts)))
+    costs = interleaved_pass_costs(model, prompt, widths, budget=budget * len(widths))
+    plain = costs[1]["verify"]
     plain_bytes = throughput.total(throughput.trunk_pass_bytes(config, in_memory, 1, context, None, cache_bytes))
     rows = [{"pass": "plain, 1 token", "seconds": plain, "bytes": plain_bytes}]
-    head = None
     for n in n_drafts:
-        costs = pass_costs(model, prompt, n, budget=budget)
-        rows.append({"pass": f"verify, {n} tokens", "seconds": costs["verify"], "bytes": throughput.total(
+        rows.append({"pass": f"verify, {n} tokens", "seconds": costs[n]["verify"], "bytes": throughput.total(
             throughput.trunk_pass_bytes(config, in_memory, n, context, None, cache_bytes))})
-        head = costs["head_per_draft"] if head is None else min(head, costs["head_per_draft"])
+    head = min(costs[n]["head_per_draft"] for n in n_drafts)
     rows.append({"pass": "head draft", "seconds": head, "bytes": throughput.total(
         throughput.head_step_bytes(config, in_memory, context, cache_bytes))})
     for r in rows:
         r["time_over_plain"] = r["seconds"] / plain
         r["bytes_over_plain"] = r["bytes"] / plain_bytes
     return {"layers": config.num_hidden_layers, "experts": config.num_experts, "vocab": config.vocab_size,
-            "rows": rows}
+            "rows": rows, "rounds": costs[1]["rounds"]}
 
 
 # ---- speculative decoding: n_draft 1 to 5 -------------------------------------------------------------------
-def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30, budget: float = 10.0) -> dict:
-    """Seconds of one verify pass over `n_draft` tokens and of one head draft step, each compiled and timed
-    alone (median of `repeats`) from the state after `prompt`: inside a generation the passes overlap with
-    the host's work and cannot be told apart. A head draft step is the drafting of one step (the head over
-    the last pass's positions, then each draft) divided by its drafts."""
+PASS_BUDGET_S = 10.0  # seconds of timed calls `interleaved_pass_costs` spends at most, after its third round
+
+
+def pass_costs(model: Model, prompt: list[int], n_draft: int, repeats: int = 30, budget: float = PASS_BUDGET_S) -> dict:
+    """`interleaved_pass_costs` for one width: its verify pass and head draft step, timed alone."""
+    return interleaved_pass_costs(model, prompt, (n_draft,), rounds=repeats, budget=budget)[n_draft]
+
+
+def interleaved_pass_costs(model: Model, prompt: list[int], n_drafts, rounds: int = 200,
+                           budget: float = PASS_BUDGET_S, warm: int = 3) -> dict[int, dict]:
+    """Seconds of one verify pass over `n_draft` tokens and of one head draft step at each of `n_drafts`, each
+    compiled and timed from the state after `prompt` (inside a generation the passes overlap with the host's
+    work and cannot be told apart). A head draft step is the drafting of one step (the head over the last pass's
+    positions, then each draft) divided by its drafts.
+
+    Every shape is first called `warm` times (the first calls trace and compile; fewer once a shape's warm-up
+    has taken its share of half the budget); then each round calls every
+    shape once, in an order that shifts by one shape from round to round, until `rounds` rounds or, after at
+    least three, `budget` seconds of timed calls. A slow spell of a shared machine (they last seconds) then
+    falls on every width alike, where widths timed one after another would each meet their own spell and could
+    come out in the wrong order. Per width: the medians over the rounds ("verify", and "head_per_draft" where
+    the width drafts) and "rounds", the calls each shape was timed."""
     from .. import decoding
+    from ..parallel import rank0_decides
     from ..speculative import _prefill
 
-    k = n_draft - 1
     greedy = decoding.Greedy()
-    capacity = decoding.capacity_for(len(prompt) + 2 * n_draft)
-    state, last, _ = _prefill(model, model.mtp if k else None, prompt, capacity, n_draft, greedy, "post",
-                              mx.random.key(0))
-    tokens = mx.array([[last[1][0, 0].item()] * n_draft], mx.int32)
-    from ..parallel import rank0_decides
+    calls = {}  # (n_draft, "verify" | "draft") -> a compiled call from that width's state
+    for n in n_drafts:
+        k = n - 1
+        state, last, _ = _prefill(model, model.mtp if k else None, prompt,
+                                  decoding.capacity_for(len(prompt) + 2 * n), n, greedy, "post", mx.random.key(0))
+        tokens = mx.array([[last[1][0, 0].item()] * n], mx.int32)
+        verify = mx.compile(lambda s, t, k=k: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
+        calls[n, "verify"] = lambda verify=verify, state=state, tokens=tokens: verify(state, tokens)
+        if k:
+            draft = mx.compile(lambda s, l, k=k: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
+                               inputs=[model.state])
+            calls[n, "draft"] = lambda draft=draft, state=state, last=last: draft(state, last)
+    agree = rank0_decides(model.shard) or (lambda value: value)  # expert-parallel: every rank stops with rank 0
 
-    agree = rank0_decides(model.shard)  # expert-parallel: every rank times as many calls as rank 0
-    verify = mx.compile(lambda s, t: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
-    out = {"verify": _median_seconds(lambda: verify(state, tokens), repeats, budget, agree)}
-    if k:
-        draft = mx.compile(lambda s, l: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
-                           inputs=[model.state])
-        out["head_per_draft"] = _median_seconds(lambda: draft(state, last), repeats, budget, agree) / k
+    def timed(call) -> float:
+        started = time.perf_counter()
+        mx.eval(call())
+        return time.perf_counter() - started
+
+    for call in calls.values():  # at the real model's size a pass takes seconds: warm-up stops at half the budget
+        warmed = 0.0
+        for _ in range(warm):
+            warmed += timed(call)
+            if agree(warmed > budget / 2 / len(calls)):
+                break
+    shapes = list(calls)
+    times = {shape: [] for shape in shapes}
+    spent = 0.0
+    for r in range(rounds):
+        shift = r % len(shapes)
+        for shape in shapes[shift:] + shapes[:shift]:
+            times[shape].append(timed(calls[shape]))
+            spent += times[shape][-1]
+        if agree(r + 1 >= 3 and spent > budget):
+            break
+    out = {}
+    for n in n_drafts:
+        out[n] = {"verify": statistics.median(times[n, "verify"]), "rounds": len(times[n, "verify"])}
+        if n > 1:
+            out[n]["head_per_draft"] = statistics.median(times[n, "draft"]) / (n - 1)
     return out
 
 
@@ -370,7 +415,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     prompts; the record keeps the median and the spread of the rounds. Besides acceptance, each record holds
     the phases of the decoding loop (`speculative.PhaseTimer`), the distinct experts each verify pass read
     per layer (measured, and the independent-routing formula), the seconds of a verify pass and of a head
-    draft step (`pass_costs`), and the ideal speedup: tokens per pass / (1 + head share), what drafting
+    draft step (`interleaved_pass_costs`: every width in the same rounds), and the ideal speedup: tokens per pass / (1 + head share), what drafting
     would give if a verify pass cost what a plain pass costs. "cost_model" prices each step from the passes
     (`_fit_and_predict`). `peer`: a `qmtp.book.peer.MlxVlmEngine`, run on the same prompts in the same rounds. `auto`:
     n_draft="auto" in the same rounds too, reported against the best fixed n_draft ("auto" in the report).
@@ -430,7 +475,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     in_memory = throughput.sizes_of(model)
     cache_bytes = 4 if model.dtype == mx.float32 else 2
     context = statistics.mean(len(p) for p in prompts) + max_tokens / 2
-    costs = {n: pass_costs(model, prompts[0], n) for n in n_drafts}
+    costs = interleaved_pass_costs(model, prompts[0], n_drafts)
     plain_pass = costs[min(n_drafts)]["verify"]
     plain_tokens = [g.tokens for g in outputs[("qmtp", min(n_drafts))]]
     results = []
@@ -481,7 +526,7 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
 
     report = {"model": str(model.path), "config": _config_summary(model), "max_tokens": max_tokens,
               "prompts": len(prompts), "repeats": repeats, "context": context, "blas": blas.describe(),
-              "results": results}
+              "results": results, "pass_rounds": costs[min(n_drafts)]["rounds"]}
     report["cost_model"] = _fit_and_predict(model, in_memory, results, context, cache_bytes)
     if auto:
         report["auto"] = _auto_report(outputs[("qmtp", "auto")], speeds[("qmtp", "auto")], results, plain_tokens,
