@@ -2,6 +2,7 @@
 chapter 4 uses at full size (qmtp.book.quality.round_trunk)."""
 
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -11,6 +12,8 @@ import qmtp
 from qmtp.book import budget, machine, quality
 from qmtp.config import QWEN36_35B_A3B
 from qmtp.sizes import UNQUANTIZED
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,25 @@ def test_widths_table_agrees_with_sizes():
 def test_every_budgeted_chapter_fits_the_smaller_machine():
     seconds = {"first_layers": 0.5, "full": 4.0, "head_draft": 0.5, "measured_layers": 4}
     plan = budget.chapters(seconds)
-    assert [r["chapter"][0] for r in plan] == list("12345678")
+    assert [r["chapter"].split(".")[0] for r in plan] == [str(n) for n in range(1, 12)]  # every chapter, in order
     smallest = min(budget.MACHINES_GB)
     assert all(budget.fits(r["memory GiB"] * 2**30, smallest, runtime=False) for r in plan)
     assert all(r["minutes"] >= 0 for r in plan) and sum(r["minutes"] for r in plan) > 0
+
+
+def test_chapter_10s_minutes_follow_its_passes_and_its_settings_are_the_notebooks():
+    seconds = {"first_layers": 0.5, "full": 4.0, "head_draft": 0.5, "measured_layers": 4}
+    slower = dict(seconds, full=8.0)
+    conversations = [next(r for r in budget.chapters(s) if r["chapter"].startswith("10.")) for s in (seconds, slower)]
+    assert conversations[1]["minutes"] > conversations[0]["minutes"] > 0
+    assert conversations[0]["memory GiB"] > budget.RUNTIME_GB  # it holds the conversion
+    # the chapter sets its full-size run itself: the budget must price the same run
+    source = (ROOT / "notebooks" / "10_conversations.py").read_text()
+    talk = budget.CONVERSATIONS
+    assert f"MAX_TOKENS = {talk['max_tokens']} if FULL" in source
+    assert f"REPEATS = {talk['repeats']} if FULL" in source
+    assert f"QUESTIONS = conversations.QUESTIONS[:{talk['questions']}] if FULL" in source
+    assert source.count(f"n_draft={talk['n_draft']}") >= 3
 
 
 def test_pass_seconds_scales_the_measured_pass_by_bytes():

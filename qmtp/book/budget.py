@@ -11,7 +11,8 @@ widths: `is_real_model`), the chapters that would hold or rewrite the whole mode
   chapters 4 to 6 find it, and checks the conversion on the first `LAYERS` layers;
 * chapter 4 quantizes the first `LAYERS` layers in memory at each trunk width instead of converting the whole model
   once per width, and rounds the head of that one conversion in memory at each head width;
-* chapters 5 and 6 decode with that conversion, on one prompt, fewer tokens and fewer widths.
+* chapters 5 and 6 decode with that conversion, on one prompt, fewer tokens and fewer widths;
+* chapter 10 converses with that conversion over fewer questions and shorter replies (`CONVERSATIONS`).
 
 Sizes come from `qmtp.sizes` (what a tensor weighs stored, and in memory: on the CPU qmtp computes in float32, so an
 unquantized weight takes 4 bytes there). Times are predictions, from what chapter 6 measured on this machine at the
@@ -52,6 +53,9 @@ DECODE = {"prompts": 1, "max_tokens": 16, "n_drafts": (2, 3), "ablations": ("com
 CHAT = {"conversations": 1, "samplers": ("greedy", "thinking"), "n_draft": 3}
 BENCH = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4, 5), "pass_budget_s": 2.0}  # chapter 6
 ENGINE = {"max_tokens": 8, "repeats": 1, "n_drafts": (1, 2, 3, 4), "ablate": (1, 4)}  # chapter 7
+# chapter 10 (its setup cell sets the same at full size): questions, reply tokens, timed repeats (after one untimed),
+# template modes, drafts per pass
+CONVERSATIONS = {"questions": 3, "max_tokens": 12, "repeats": 1, "modes": 3, "n_draft": 3}
 
 
 def active(config: ModelConfig) -> bool:
@@ -170,7 +174,10 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
     `pass_seconds`) was measured on.
 
     A pass over n positions is priced as n plain passes: on a CPU whose quantized kernels are compute-bound (chapter 6)
-    that is what it costs. Reading weights is priced at `DISK_GB_PER_S`."""
+    that is what it costs. Reading weights is priced at `DISK_GB_PER_S`. A generated token is priced at one pass and
+    one head draft, its prompt's prefill not at all: chapter 10's fresh runs prefill whole histories, so its minutes
+    are a floor. Chapters 9 and 11 run on the bundled model whatever `QMTP_MODEL` says."""
+    from .bench import PASS_BUDGET_S
     part = first_layers(config)
     part_gib = memory_bytes(part, UNQUANTIZED, head=False) / 2**30
     part_read = sizes(part, bits=UNQUANTIZED).trunk_bytes / 1e9
@@ -181,6 +188,12 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
 
     def minutes(read_gb: float, passes: float) -> float:
         return (read_gb / DISK_GB_PER_S + passes) / 60
+
+    def interleaved(n_drafts, budget_s: float) -> float:
+        # bench.interleaved_pass_costs: one verify pass and the drafts of each width per round, at least one warm-up
+        # call and three timed rounds, and about one and a half budgets of calls where rounds are short
+        one_round = sum(n * full_pass + (n - 1) * draft for n in n_drafts)
+        return max(4 * one_round, 1.5 * budget_s)
 
     fixes_positions = FIXES_LOADS * (FIXES_TEXTS * TEXT_TOKENS + FIXES_TOKENS)
     decode_tokens = DECODE["prompts"] * DECODE["max_tokens"]
@@ -194,14 +207,19 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
     n_runs = (2 + 2 * len(DECODE["n_drafts"]) + len(REGISTERS) + len(DECODE["ablations"])
               + 2 * len(ENGINE_CHOICES) + 2 * 2 + CHAT["conversations"] * len(CHAT["samplers"]) * 2)
     ch5_seconds = n_runs * decode_tokens * (full_pass + draft)
-    # chapter 6: each width; each of the 4 real-width passes: warm-up and timed calls, at least 6 and about 1.5
-    # budgets
+    # chapter 6: each width decoded, then its passes timed by the benchmark and again at the real widths (plain and
+    # verify over 2 and 3 tokens, `BENCH["pass_budget_s"]` of calls per width)
     bench_runs = len(BENCH["n_drafts"]) * BENCH["repeats"]
-    timing = 4 * max(6 * full_pass, 1.5 * BENCH["pass_budget_s"])
+    timing = interleaved(BENCH["n_drafts"], PASS_BUDGET_S) + interleaved((1, 2, 3), 3 * BENCH["pass_budget_s"])
     ch6_seconds = bench_runs * BENCH["max_tokens"] * (full_pass + draft) + timing
     # chapter 7: each width, auto, and the loop ablations (eager and not queued ahead, at each of ENGINE["ablate"])
     engine_runs = (len(ENGINE["n_drafts"]) + 1 + 2 * len(ENGINE["ablate"])) * ENGINE["repeats"]
     ch7_seconds = engine_runs * ENGINE["max_tokens"] * (full_pass + draft)
+    # chapter 10: a reply, a sampled reply, a conversation's two turns, then every mode's conversation, each turn
+    # beside a fresh run of the same history, after one untimed repeat
+    talk = CONVERSATIONS
+    conversation_runs = 4 + talk["modes"] * (talk["repeats"] + 1) * talk["questions"] * 2
+    ch10_seconds = conversation_runs * talk["max_tokens"] * (full_pass + draft)
     rows = [
         {"chapter": "1. Anatomy", "at full size": "reads the headers only", "memory GiB": 0.0, "disk GB": 0.0,
          "minutes": 0.0},
@@ -237,6 +255,16 @@ def chapters(seconds: dict, config: ModelConfig = QWEN36_35B_A3B) -> list[dict]:
          "memory GiB": full_gib, "disk GB": 0.0, "minutes": minutes(converted, ch7_seconds)},
         {"chapter": "8. Claims", "at full size": "reads what chapters 1-7 saved", "memory GiB": 0.0, "disk GB": 0.0,
          "minutes": 0.0},
+        {"chapter": "9. Beyond", "at full size": "runs on the bundled model, as written", "memory GiB": 0.0,
+         "disk GB": 0.0, "minutes": 0.0},
+        {"chapter": "10. Conversations", "at full size": f"the {BITS}-bit model, {talk['questions']} questions, "
+                                                         f"{talk['max_tokens']}-token replies at n_draft "
+                                                         f"{talk['n_draft']}, {talk['modes']} template modes, one "
+                                                         f"timed repeat",
+         "memory GiB": full_gib, "disk GB": 0.0, "minutes": minutes(converted, ch10_seconds)},
+        {"chapter": "11. Under load", "at full size": "runs on the bundled model, as written; reads the real-width "
+                                                      "passes measured outside the build",
+         "memory GiB": 0.0, "disk GB": 0.0, "minutes": 0.0},
     ]
     for row in rows:  # the weights held at once, and the runtime around them
         row["memory GiB"] += RUNTIME_GB if row["memory GiB"] else 0.0
