@@ -375,8 +375,8 @@ fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 # {glue:text}`moe_best_clause` ({glue:text}`moe8_n2:.2f`x with an 8-bit trunk); by `n_draft=5` the growing
 # union of experts and the head's lm_head reads bring it to {glue:text}`moe4_n5:.2f`x. A dense model of
 # the same active size gains {glue:text}`dense4_n2:.2f`x at `n_draft=2` and up to
-# {glue:text}`dense4_best:.2f`x. The seed's claim of {glue:text}`claim_low:.1f`x to
-# {glue:text}`claim_high:.1f`x for A3B MoE models (summarised from
+# {glue:text}`dense4_best:.2f`x. The card of lemon-mlx-engine, the engine this project began from, claims
+# {glue:text}`claim_low:.1f`x to {glue:text}`claim_high:.1f`x for A3B MoE models (summarised from
 # {cite:p}`vllmmlx245,llamacpp22673,kyuz0strix53`; {doc}`08_claims` sets each published run beside this
 # prediction) {glue:text}`claim_range_verdict`.
 #

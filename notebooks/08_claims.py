@@ -19,9 +19,10 @@
 # %% [markdown]
 # # 8. The claims, checked
 #
-# The seed's model card and the reports around it make claims about this model: that it needs two fixes,
-# what its conversions weigh, how often its head's drafts are accepted, what a crippled or quantized head
-# costs, what MTP buys on an A3B MoE. Each claim is set beside the chapter that tests it. Nothing is
+# lemon-mlx-engine {cite:p}`lemonmlx`, the MLX engine this project began from, has a model card for this
+# model; that card and the reports around it make claims about the model: that it needs two fixes, what its
+# conversions weigh, how often its head's drafts are accepted, what a crippled or quantized head costs, what
+# MTP buys on an A3B MoE. Each claim is set beside the chapter that tests it. Nothing is
 # measured again here: every value below was saved by its chapter when it ran on the same model
 # (`qmtp.book.results`), and the verdict is computed from it by the rule written next to the claim in
 # `qmtp.book.claims`. The chapter ends with the field: what others have published about MTP on this model,
@@ -32,7 +33,7 @@
 #
 # **You will learn**
 #
-# - which of the seed's claims about this model hold, which do not, and which are not testable here;
+# - which of lemon-mlx-engine's claims about this model hold, which do not, and which are not testable here;
 # - where each claim comes from and which chapter's measurement judges it;
 # - what others measured with MTP on Qwen3.5/3.6-35B-A3B, and where the cost model agrees with them.
 #

@@ -178,7 +178,8 @@ glue(
 # %% [markdown]
 # 1. **Size.** {glue:text}`f_params:.1f` B parameters, {glue:text}`f_active:.2f` B of them used per token; with a
 #    4-bit trunk and the head in bf16 the model weighs {glue:text}`f_total4:.1f` GB, of which the head
-#    {glue:text}`f_head_bf16:.2f` GB (the {term}`seed`'s "about 0.5 GB" is a 4-bit head: {glue:text}`f_head_4:.2f` GB).
+#    {glue:text}`f_head_bf16:.2f` GB (the "about 0.5 GB" on the card of lemon-mlx-engine, the engine this project
+#    began from, is a 4-bit head: {glue:text}`f_head_4:.2f` GB).
 #    {doc}`01_anatomy`
 # 2. **What a token reads.** One decoded token of the 4-bit model reads {glue:text}`f_gb_token:.2f` GB,
 #    {glue:text}`f_expert_share:.0%` of it routed experts. {doc}`06_throughput`
