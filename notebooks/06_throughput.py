@@ -52,7 +52,7 @@
 import os
 
 import qmtp
-from IPython.display import Markdown, display
+from IPython.display import Markdown
 from myst_nb import glue
 import textwrap
 
@@ -113,45 +113,10 @@ report = bench.mtp(
 by_n = {r["n_draft"]: r for r in report["results"]}
 assert all(r["same_tokens_as_plain"] for r in report["results"])
 
-# %% tags=["hide-input"]
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "n_draft": r["n_draft"],
-                    "tok/s": r["tokens_per_second"],
-                    "slowest-fastest": f"{r['tokens_per_second_min']:.0f}-"
-                    f"{r['tokens_per_second_max']:.0f}",
-                    "vs plain": r["speedup_vs_plain"],
-                    "tokens/pass": r["tokens_per_trunk_pass"],
-                    "verify ms": r["trunk_seconds_per_pass"] * 1e3,
-                    "head ms/draft": r["head_seconds_per_draft"] * 1e3,
-                    "experts/layer": r["experts_per_pass_measured"],
-                }
-                for r in report["results"]
-            ],
-            [
-                "n_draft",
-                "tok/s",
-                "slowest-fastest",
-                "vs plain",
-                "tokens/pass",
-                "verify ms",
-                "head ms/draft",
-                "experts/layer",
-            ],
-            {
-                "tok/s": "{:.0f}",
-                "vs plain": "{:.2f}x",
-                "tokens/pass": "{:.2f}",
-                "verify ms": "{:.2f}",
-                "head ms/draft": "{:.2f}",
-                "experts/layer": "{:.1f}",
-            },
-        )
-    )
-)
+# %%
+Markdown(throughput.widths_table(report))
+
+# %% tags=["remove-cell"]
 glue("union_n2_measured", by_n[2]["experts_per_pass_measured"], display=False)
 glue("union_n2_formula", by_n[2]["experts_per_layer_independent"], display=False)
 glue("union_n5_measured", by_n[5]["experts_per_pass_measured"], display=False)
@@ -255,8 +220,9 @@ glue("real_gb_head_4", throughput.total(head4) / 1e9, display=False)
 
 # %%
 rows = throughput.real_model_table(bits=(4, 8), bandwidth=BANDWIDTH, context=CONTEXT)
+Markdown(throughput.predictions_table(rows))
 
-# %% tags=["hide-input"]
+# %% tags=["remove-cell"]
 glue("acceptance_rule", throughput.acceptance_rule(), display=False)
 
 
@@ -267,36 +233,6 @@ def row(bits, model_kind, n):
         for r in rows
         if r["bits"] == bits and r["model"] == model_kind and r["n_draft"] == n
     )
-
-
-table = [
-    {
-        "bits": b,
-        "n_draft": n,
-        "tokens/pass": row(b, "MoE", n)["tokens_per_pass"],
-        "MoE ms/step": row(b, "MoE", n)["step_ms"],
-        "MoE tok/s": row(b, "MoE", n)["tokens_per_second"],
-        "MoE speedup": row(b, "MoE", n)["speedup"],
-        "dense speedup": row(b, "dense, same active size", n)["speedup"],
-    }
-    for b in (4, 8)
-    for n in range(2, 6)
-]
-display(
-    Markdown(
-        inventory.markdown_table(
-            table,
-            list(table[0]),
-            {
-                "tokens/pass": "{:.2f}",
-                "MoE ms/step": "{:.1f}",
-                "MoE tok/s": "{:.0f}",
-                "MoE speedup": "{:.2f}x",
-                "dense speedup": "{:.2f}x",
-            },
-        )
-    )
-)
 
 
 moe = {(b, n): row(b, "MoE", n)["speedup"] for b in (4, 8) for n in range(1, 6)}
@@ -419,49 +355,9 @@ fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 # %%
 cost = report["cost_model"]
 predicted = {p["n_draft"]: p for p in cost["predictions"]}
+Markdown(throughput.loop_model_table(report))
 
-# %% tags=["hide-input"]
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "n_draft": p["n_draft"],
-                    "tokens/pass": p["tokens_per_pass"],
-                    "passes ms": p["measured_step_seconds"] * 1e3,
-                    "loop ms": p["loop_step_seconds"] * 1e3,
-                    "model ms": p["predicted_step_seconds"] * 1e3,
-                    "tok/s": by_n[p["n_draft"]]["tokens_per_second"],
-                    "measured": p["measured_speedup"],
-                    "loop model": p["predicted_speedup"],
-                    "bytes model": p["bytes_model_speedup"],
-                }
-                for p in cost["predictions"]
-            ],
-            [
-                "n_draft",
-                "tokens/pass",
-                "passes ms",
-                "loop ms",
-                "model ms",
-                "tok/s",
-                "measured",
-                "loop model",
-                "bytes model",
-            ],
-            {
-                "tokens/pass": "{:.2f}",
-                "passes ms": "{:.1f}",
-                "loop ms": "{:.1f}",
-                "model ms": "{:.1f}",
-                "tok/s": "{:.0f}",
-                "measured": "{:.2f}x",
-                "loop model": "{:.2f}x",
-                "bytes model": "{:.2f}x",
-            },
-        )
-    )
-)
+# %% tags=["remove-cell"]
 plain = by_n[1]
 drafting = [r for r in report["results"] if r["n_draft"] > 1]
 best = max(drafting, key=lambda r: r["speedup_vs_plain"])
@@ -574,7 +470,8 @@ fig = plots.measured_vs_predicted(report)
 
 # %% [markdown]
 # The table reconciles three clocks. "passes ms" is a step's verify pass and head drafts, each compiled and
-# timed alone; "loop ms" is the step as the loop ran it, tokens per pass over tokens per second (so
+# timed alone, outside the loop, in rounds that call every width once (`bench.interleaved_pass_costs`: a slow
+# spell of this shared machine falls on all widths alike, so they cannot swap places); "loop ms" is the step as the loop ran it, tokens per pass over tokens per second (so
 # {glue:text}`tiny_plain_tps:.0f` tokens/s of plain decoding is {glue:text}`tiny_loop_plain_ms:.1f` ms per
 # step); "model ms" is $t_\text{step}(n)$. A plain pass timed alone takes {glue:text}`tiny_pass_ms:.1f` ms
 # and reads {glue:text}`tiny_mb_pass:.1f` MB; {glue:text}`tiny_loop_phrase`. The passes cost
@@ -600,8 +497,8 @@ fig = plots.measured_vs_predicted(report)
 # attention) with all 256 experts, its head and its vocabulary of 248,320, built in memory as a 4-bit
 # conversion loads on a 24 GB machine (the trunk 4-bit, the head's experts in bf16; `bench.real_width_model`).
 # Its weights are seeded constants, except the embeddings and the routers, which are random so that tokens
-# route apart: a product takes the same time whatever its values. Each pass is compiled and timed alone
-# (`bench.real_width_passes`). If time followed bytes, as on a memory-bound machine, each pass's time over
+# route apart: a product takes the same time whatever its values. Each pass is compiled and timed alone, every
+# width once per round (`bench.real_width_passes`). If time followed bytes, as on a memory-bound machine, each pass's time over
 # the plain pass would be its bytes over the plain pass's (what it reads, with independent routing). With
 # `QMTP_MODEL` set to a full-size conversion, the same cell times the model itself.
 
@@ -614,30 +511,10 @@ real_passes = bench.real_width_passes(
 if real is not model:
     del real  # 5 GB: not kept for the rest of the chapter
 
-# %% tags=["hide-input"]
-display(
-    Markdown(
-        inventory.markdown_table(
-            [
-                {
-                    "pass": r["pass"],
-                    "ms": r["seconds"] * 1e3,
-                    "time / plain": r["time_over_plain"],
-                    "MB read": r["bytes"] / 1e6,
-                    "bytes / plain": r["bytes_over_plain"],
-                }
-                for r in real_passes["rows"]
-            ],
-            ["pass", "ms", "time / plain", "MB read", "bytes / plain"],
-            {
-                "ms": "{:.0f}",
-                "time / plain": "{:.2f}x",
-                "MB read": "{:.0f}",
-                "bytes / plain": "{:.2f}x",
-            },
-        )
-    )
-)
+# %%
+Markdown(throughput.real_width_table(real_passes))
+
+# %% tags=["remove-cell"]
 by_pass = {r["pass"]: r for r in real_passes["rows"]}
 plain_row, verify2, verify3, head_row = (
     by_pass[k]

@@ -289,3 +289,24 @@ def test_fit_loop_recovers_a_known_loop_and_prices_plain_decoding_exactly():
 def test_a_loop_dominated_by_its_own_cost_gains_almost_tau():
     loop = LoopModel(loop_overhead=1.0, pass_fixed=1e-4, pass_per_token=1e-4, head_per_draft=1e-4)
     assert 2.9 < loop.speedup(3.0, 4) < 3.0
+
+
+def test_chapter_6s_tables_have_one_row_per_width_and_their_columns():
+    result = {"n_draft": 2, "tokens_per_second": 100.0, "tokens_per_second_min": 90.0, "tokens_per_second_max": 110.0,
+              "speedup_vs_plain": 1.25, "tokens_per_trunk_pass": 1.5, "trunk_seconds_per_pass": 0.003,
+              "head_seconds_per_draft": 0.0005, "experts_per_pass_measured": 6.0}
+    prediction = {"n_draft": 2, "tokens_per_pass": 1.5, "measured_step_seconds": 0.004, "loop_step_seconds": 0.006,
+                  "predicted_step_seconds": 0.005, "measured_speedup": 1.25, "predicted_speedup": 1.3,
+                  "bytes_model_speedup": 1.1}
+    report = {"results": [result, dict(result, n_draft=3)],
+              "cost_model": {"predictions": [prediction, dict(prediction, n_draft=3)]}}
+    widths = throughput.widths_table(report).splitlines()
+    assert len(widths) == 2 + 2 and widths[0].startswith("| n_draft | tok/s | slowest-fastest | vs plain")
+    assert "| 2 | 100 | 90-110 | 1.25x | 1.50 | 3.00 | 0.50 | 6.0 |" == widths[2]
+    loop = throughput.loop_model_table(report).splitlines()
+    assert len(loop) == 4 and "| 3 | 1.50 | 4.0 | 6.0 | 5.0 | 100 | 1.25x | 1.30x | 1.10x |" == loop[3]
+    predictions = throughput.predictions_table(throughput.real_model_table(bits=(4, 8))).splitlines()
+    assert len(predictions) == 2 + 2 * 4  # two trunk widths, n_draft 2 to 5
+    real = {"rows": [{"pass": "plain, 1 token", "seconds": 0.2, "bytes": 4e8, "time_over_plain": 1.0,
+                      "bytes_over_plain": 1.0}]}
+    assert throughput.real_width_table(real).splitlines()[2] == "| plain, 1 token | 200 | 1.00x | 400 | 1.00x |"

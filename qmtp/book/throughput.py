@@ -511,3 +511,58 @@ def overhead_effect(bandwidth: float, n_draft: int, overhead: float, bits: int =
         "every pass and draft": machine_prediction(bandwidth, n_draft, bits, context, overhead=overhead,
                                                    head_overhead=overhead).speedup,
     }
+
+
+# ---- chapter 6's tables: each function returns one Markdown table --------------------------------------------
+def _table(rows: list[dict], formats: dict) -> str:
+    from .inventory import markdown_table
+
+    return markdown_table(rows, list(rows[0]), formats)
+
+
+def widths_table(report: dict) -> str:
+    """`bench.mtp`'s report, one row per n_draft: decoding speed (median, slowest-fastest round, over plain),
+    tokens per trunk pass, a verify pass's and a head draft's time (timed in the same rounds) and the experts a
+    verify pass read per layer."""
+    rows = [{"n_draft": r["n_draft"], "tok/s": r["tokens_per_second"],
+             "slowest-fastest": f"{r['tokens_per_second_min']:.0f}-{r['tokens_per_second_max']:.0f}",
+             "vs plain": r["speedup_vs_plain"], "tokens/pass": r["tokens_per_trunk_pass"],
+             "verify ms": r["trunk_seconds_per_pass"] * 1e3, "head ms/draft": r["head_seconds_per_draft"] * 1e3,
+             "experts/layer": r["experts_per_pass_measured"]} for r in report["results"]]
+    return _table(rows, {"tok/s": "{:.0f}", "vs plain": "{:.2f}x", "tokens/pass": "{:.2f}", "verify ms": "{:.2f}",
+                         "head ms/draft": "{:.2f}", "experts/layer": "{:.1f}"})
+
+
+def predictions_table(rows: list[dict], n_drafts=range(2, 6)) -> str:
+    """`real_model_table`'s rows, one per trunk width and n_draft: tokens per pass, the MoE's step and speed, and
+    the speedup of the MoE and of a dense model of the same active size."""
+    by = {(r["bits"], r["model"], r["n_draft"]): r for r in rows}
+    table = [{"bits": b, "n_draft": n, "tokens/pass": by[b, "MoE", n]["tokens_per_pass"],
+              "MoE ms/step": by[b, "MoE", n]["step_ms"], "MoE tok/s": by[b, "MoE", n]["tokens_per_second"],
+              "MoE speedup": by[b, "MoE", n]["speedup"],
+              "dense speedup": by[b, "dense, same active size", n]["speedup"]}
+             for b in dict.fromkeys(r["bits"] for r in rows) for n in n_drafts]
+    return _table(table, {"tokens/pass": "{:.2f}", "MoE ms/step": "{:.1f}", "MoE tok/s": "{:.0f}",
+                          "MoE speedup": "{:.2f}x", "dense speedup": "{:.2f}x"})
+
+
+def loop_model_table(report: dict) -> str:
+    """`bench.mtp`'s cost model beside its measurement, one row per n_draft: a step's passes timed alone, the step
+    as the loop ran it, the loop model's step, the measured speed, and the speedup measured, from the loop model
+    and from the bytes model."""
+    speed = {r["n_draft"]: r["tokens_per_second"] for r in report["results"]}
+    rows = [{"n_draft": p["n_draft"], "tokens/pass": p["tokens_per_pass"],
+             "passes ms": p["measured_step_seconds"] * 1e3, "loop ms": p["loop_step_seconds"] * 1e3,
+             "model ms": p["predicted_step_seconds"] * 1e3, "tok/s": speed[p["n_draft"]],
+             "measured": p["measured_speedup"], "loop model": p["predicted_speedup"],
+             "bytes model": p["bytes_model_speedup"]} for p in report["cost_model"]["predictions"]]
+    return _table(rows, {"tokens/pass": "{:.2f}", "passes ms": "{:.1f}", "loop ms": "{:.1f}", "model ms": "{:.1f}",
+                         "tok/s": "{:.0f}", "measured": "{:.2f}x", "loop model": "{:.2f}x",
+                         "bytes model": "{:.2f}x"})
+
+
+def real_width_table(report: dict) -> str:
+    """`bench.real_width_passes`' rows: each pass's time and bytes, each over the plain pass's."""
+    rows = [{"pass": r["pass"], "ms": r["seconds"] * 1e3, "time / plain": r["time_over_plain"],
+             "MB read": r["bytes"] / 1e6, "bytes / plain": r["bytes_over_plain"]} for r in report["rows"]]
+    return _table(rows, {"ms": "{:.0f}", "time / plain": "{:.2f}x", "MB read": "{:.0f}", "bytes / plain": "{:.2f}x"})
