@@ -76,7 +76,7 @@ def test_monotonic_in_bits_and_head_independent_of_trunk():
 
 
 def test_real_config_numbers():
-    """The figures the book quotes, as arithmetic (decimal GB). The seed's table says about 20 / 28 / 36 GB at
+    """The figures the book quotes, as arithmetic (decimal GB). lemon-mlx-engine's table says about 20 / 28 / 36 GB at
     4 / 6 / 8 bits and a head of about 0.5 GB: the trunk agrees; 0.5 GB is the head at 4 bits, not bf16."""
     p = parameter_counts(REAL)
     assert p["trunk"] == 34_660_610_688 and p["head"] == 844_640_768 and p["total"] == 35_505_251_456

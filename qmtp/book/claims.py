@@ -1,4 +1,4 @@
-"""What the seed's model card and reports claim, as data, each with where it comes from, and the check that
+"""What lemon-mlx-engine's model card and reports claim, as data, each with where it comes from, and the check that
 sets each claim beside what the chapters measured.
 
 Only claims live here as typed values. Every measured value comes from a chapter's saved results
