@@ -113,11 +113,12 @@ def test_the_table_names_every_mismatched_row():
     def row(engine, n, b, tps, **more):
         return {"engine": engine, "n_draft": n, "batch": b, "tokens_per_second": tps, **more}
 
-    rows = [row("batch", "1", 4, 100.0), row("batch", "3", 4, 150.0), row("mlx-vlm", "1", 4, 90.0),
-            row("mlx-vlm", "3", 4, 120.0, first_mismatch=[None, 7, None, 2], lockstep=True)]
+    rows = [row("batch", "1", 4, 100.0), row("batch", "3", 4, 150.0), row("batch", "auto", 4, 180.0),
+            row("mlx-vlm", "1", 4, 90.0), row("mlx-vlm", "3", 4, 120.0, first_mismatch=[None, 7, None, 2], lockstep=True)]
     report = {"rows": rows, "goals": bench_batch.goals(rows)}
     table = bench_batch.table(report)
     assert "= @7 = @2" in table
     assert "MISMATCH mlx-vlm n_draft 3 batch 4: rows [1, 3]" in table
-    assert report["goals"]["drafting_over_mlx_vlm_drafting"]["ratio"] == pytest.approx(150 / 120)
-    assert "drafting_over_mlx_vlm_drafting: 1.25x (n_draft 3 over 3) (goal 1.0x) met" in table
+    goal = report["goals"]["drafting_over_mlx_vlm_drafting"]
+    assert goal["ratio"] == pytest.approx(180 / 120) and goal["at_same_width"] == {"3": pytest.approx(150 / 120)}
+    assert "drafting_over_mlx_vlm_drafting: 1.50x (n_draft auto over 3; at n_draft 3 both 1.25x) (goal 1.0x) met" in table

@@ -222,8 +222,13 @@ def goals(rows: list[dict], size: int = 4) -> dict:
         out["plain_batch_over_mlx_lm"] = {"ratio": plain / theirs, "goal": 1.0}
     theirs_drafting = _best_drafting(rows, "mlx-vlm", size)
     if drafting and theirs_drafting:
+        # best against best (qmtp's may be auto, which mlx-vlm lacks), and width by width where both ran
+        same_width = {r["n_draft"]: _speed(rows, "batch", r["n_draft"], size) / r["tokens_per_second"]
+                      for r in rows if r["engine"] == "mlx-vlm" and r["batch"] == size and r["n_draft"] != "1"
+                      and _speed(rows, "batch", r["n_draft"], size)}
         out["drafting_over_mlx_vlm_drafting"] = {"ratio": drafting[0] / theirs_drafting[0], "goal": 1.0,
-                                                 "n_draft": drafting[1], "mlx_vlm_n_draft": theirs_drafting[1]}
+                                                 "n_draft": drafting[1], "mlx_vlm_n_draft": theirs_drafting[1],
+                                                 "at_same_width": same_width}
     for goal in out.values():
         goal["met"] = goal["ratio"] >= goal["goal"]
     return out
@@ -259,7 +264,10 @@ def table(report: dict) -> str:
                      f"tokens (first at {[m for m in r['first_mismatch'] if m is not None]})")
     for name, goal in report["goals"].items():
         verdict = "met" if goal["met"] else f"missed by {goal['goal'] / goal['ratio']:.2f}x"
-        widths = f" (n_draft {goal['n_draft']} over {goal['mlx_vlm_n_draft']})" if "mlx_vlm_n_draft" in goal else ""
+        widths = ""
+        if "mlx_vlm_n_draft" in goal:
+            widths = f" (n_draft {goal['n_draft']} over {goal['mlx_vlm_n_draft']}" + "".join(
+                f"; at n_draft {n} both {ratio:.2f}x" for n, ratio in goal["at_same_width"].items()) + ")"
         lines.append(f"{name}: {goal['ratio']:.2f}x{widths} (goal {goal['goal']}x) {verdict}")
     for r in report["rows"]:
         if r["engine"] == "batch" and r["batch"] == 4 and r.get("phases"):
