@@ -122,3 +122,16 @@ def test_the_table_names_every_mismatched_row():
     goal = report["goals"]["drafting_over_mlx_vlm_drafting"]
     assert goal["ratio"] == pytest.approx(180 / 120) and goal["at_same_width"] == {"3": pytest.approx(150 / 120)}
     assert "drafting_over_mlx_vlm_drafting: 1.50x (n_draft auto over 3; at n_draft 3 both 1.25x) (goal 1.0x) met" in table
+
+
+@needs_batch
+def test_without_lockstep_no_acceptance_is_made_up(engine, prompts, monkeypatch):
+    """Were mlx-vlm's rows to accept each their own count, its record would hold only each round's mean over
+    rows: the batch then reports that mean, and no acceptance, rather than one counted from it."""
+    lm = engine.model.language_model
+    monkeypatch.setattr(type(lm), "requires_uniform_batch_acceptance", False)
+    monkeypatch.setattr(type(engine.drafter), "requires_uniform_batch_acceptance", False)
+    result = engine.generate_batch(prompts, MAX_TOKENS, 3)
+    assert result["lockstep"] is False and result["acceptance"] is None
+    assert all(row["acceptance"] is None for row in result["rows"])
+    assert 0 <= result["mean_accepted_per_round"] <= 2

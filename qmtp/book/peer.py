@@ -127,8 +127,8 @@ class MlxVlmEngine:
         tokens over the call's wall time, prefill included); when drafting, the drafter's `passes`, `proposed`,
         `accepted` and `acceptance`, and `lockstep`: whether mlx-vlm makes every row accept the same number of
         drafts per round (`requires_uniform_batch_acceptance`, qwen3_5's rectangular cache), in which case each
-        row's `acceptance` is the batch's; otherwise mlx-vlm records only the mean over rows, and a row's
-        `acceptance` is None.
+        row's `acceptance` is the batch's; otherwise mlx-vlm records only each round's mean over rows, kept as
+        `mean_accepted_per_round`, and `acceptance` is None, the batch's and each row's.
         """
         from mlx_vlm.generate.ar import BatchGenerator
 
@@ -186,6 +186,10 @@ class MlxVlmEngine:
             if result["lockstep"]:
                 for row in rows:
                     row["acceptance"] = result["acceptance"]
+            else:  # each round's count is a mean over rows: counting drafts proposed from it would be wrong
+                rounds = self.drafter.accept_lens
+                result.update(proposed=[], accepted=[], acceptance=None, acceptance_per_position=None,
+                              mean_accepted_per_round=sum(rounds) / len(rounds) if rounds else None)
         return result
 
 
