@@ -119,6 +119,7 @@ def test_peer_rows_set_qmtp_beside_mlx_vlm_and_name_every_differing_row():
             cell("mlx-vlm", "1", 1, 90.0, first_mismatch=[None]),
             cell("mlx-vlm", "3", 1, 120.0, [0.8], first_mismatch=[None]),
             cell("batch", "1", 4, 300.0, [float("nan")] * 4), cell("batch", "3", 4, 330.0, [0.7, 0.9, 0.8, 0.8]),
+            cell("batch", "auto", 4, 352.0, [0.9] * 4),
             cell("mlx-vlm", "1", 4, 280.0, first_mismatch=[None] * 4),
             cell("mlx-vlm", "3", 4, 220.0, [0.5] * 4, first_mismatch=[None, None, 5, None])]
     from qmtp.book import bench_batch
@@ -130,7 +131,9 @@ def test_peer_rows_set_qmtp_beside_mlx_vlm_and_name_every_differing_row():
     assert "330 (0.70-0.90) / 220 (0.50)" in table and "n_draft 3 row 2 differs from position 5" in table
     assert "qmtp's, every row" in table
     text = under_load.peer_sentences(report)
-    assert "gave 1.50x" in text and "from 0.80 at 1 row to 0.50 at 4" in text
+    assert ("qmtp's best drafting width (n_draft auto) gave 1.60x the aggregate tokens/s of mlx-vlm's at n_draft 3, "
+            "the one drafting width it ran, 1.50x at n_draft 3 both") in text
+    assert "from 0.80 at 1 row to 0.50 at 4" in text
     assert "batch 4 n_draft 3 row 2 (from position 5)" in text
 
 

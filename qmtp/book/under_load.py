@@ -334,8 +334,13 @@ def peer_sentences(report: dict, peer: str = "mlx-vlm", size: int = 4) -> str:
     out = []
     goal = report["goals"].get("drafting_over_mlx_vlm_drafting")
     if goal:
+        theirs_ran = [n for n in rows[0]["widths"] if n != "1"]
+        theirs = (f"{peer}'s at n_draft {goal['mlx_vlm_n_draft']}, the one drafting width it ran" if len(theirs_ran) == 1
+                  else f"{peer}'s best (n_draft {goal['mlx_vlm_n_draft']})")
+        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in goal["at_same_width"].items()
+                       if not (n == goal["n_draft"] == goal["mlx_vlm_n_draft"]))
         out.append(f"At {size} rows qmtp's best drafting width (n_draft {goal['n_draft']}) gave {goal['ratio']:.2f}x "
-                   f"the aggregate tokens/s of {peer}'s best (n_draft {goal['mlx_vlm_n_draft']})")
+                   f"the aggregate tokens/s of {theirs}{same}")
     widest = max((n for n in rows[0]["widths"] if n != "1"), key=int, default=None)
     if widest:
         first, last = rows[0], rows[-1]
