@@ -267,7 +267,8 @@ def table(report: dict) -> str:
         widths = ""
         if "mlx_vlm_n_draft" in goal:
             widths = f" (n_draft {goal['n_draft']} over {goal['mlx_vlm_n_draft']}" + "".join(
-                f"; at n_draft {n} both {ratio:.2f}x" for n, ratio in goal["at_same_width"].items()) + ")"
+                f"; at n_draft {n} both {ratio:.2f}x" for n, ratio in goal["at_same_width"].items()
+                if not n == goal["n_draft"] == goal["mlx_vlm_n_draft"]) + ")"  # that pair is the ratio itself
         lines.append(f"{name}: {goal['ratio']:.2f}x{widths} (goal {goal['goal']}x) {verdict}")
     for r in report["rows"]:
         if r["engine"] == "batch" and r["batch"] == 4 and r.get("phases"):
