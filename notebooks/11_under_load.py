@@ -129,11 +129,13 @@ Markdown(under_load.model_table(model_rows))
 # The same B prompts of different lengths decode together (`qmtp.generate_batch`, greedy, every row its
 # `max_tokens`), at n_draft 1 (plain), 2 and 3, interleaved round by round with the same prompts run one after
 # another by `qmtp.generate` ("one by one"); each cell keeps its median over the rounds
-# (`qmtp.book.bench_batch.run`, what `python -m qmtp bench batch` prints). Tokens/s are aggregate over the
-# batch; under each drafting width, each row's acceptance (lowest to highest).
+# (`qmtp.book.bench_batch.run`, what `python -m qmtp bench batch` prints). In the same rounds mlx-vlm decodes the
+# same prompts at n_draft 3 (below). Tokens/s are aggregate over the batch; under each drafting width, each
+# row's acceptance (lowest to highest).
 
 # %%
-report = bench_batch.run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3), max_tokens=32, rounds=3, peers=False)
+report = bench_batch.run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3), max_tokens=32, rounds=3,
+                         peers=["mlx-vlm"], peer_n_drafts=[3])
 measured = under_load.measured_rows(report)
 Markdown(under_load.measured_table(measured))
 
@@ -175,6 +177,26 @@ glue("acceptance_same",
 # {glue:text}`acceptance_same`. On this model a pass moves a few megabytes: its time is dispatch and the
 # per-token arithmetic, not bandwidth, the regime the per-token reading describes once the union of the real
 # model is full.
+
+# %% [markdown]
+# ### Beside mlx-vlm's batched drafting
+#
+# mlx-vlm (the `peer` extra, as in {doc}`07_engine`) decodes a batch with MTP drafts too: its `BatchGenerator`
+# with `draft_kind="mtp"` loads the same file, trunk and head. It ran in the rounds above at n_draft 3 (it has no
+# auto width; its plain batch and the other widths are left to `python -m qmtp bench batch`, to keep this chapter
+# short), every row's tokens compared with qmtp's greedy batch. Its Qwen3.5/3.6
+# model asks for uniform acceptance (`requires_uniform_batch_acceptance`: its batch cache keeps one length for
+# all rows), so in each round every row keeps as many drafts as the row that accepted fewest; qmtp's rows
+# accept each their own. Aggregate tokens/s, qmtp's first; in brackets each row's acceptance.
+
+# %%
+Markdown(under_load.peer_table(report))
+
+# %% tags=["remove-cell"]
+glue("peer_sentences", under_load.peer_sentences(report), display=False)
+
+# %% [markdown]
+# {glue:text}`peer_sentences`
 
 # %% [markdown]
 # ### A long prompt joining running rows

@@ -109,3 +109,35 @@ def test_real_width_passes_count_the_experts_a_batched_pass_reads():
     assert 8 < rows[(1, 3)]["experts_read"] <= rows[(4, 3)]["experts_read"] <= 16
     assert all(r["seconds"] > 0 and 8 <= r["experts_predicted"] <= 16 for r in rows.values())
     assert "experts read" in bench_batch.real_width_table(report)
+
+
+def test_peer_rows_set_qmtp_beside_mlx_vlm_and_name_every_differing_row():
+    def cell(engine, n, b, tps, acc=None, **more):
+        return {"engine": engine, "n_draft": n, "batch": b, "tokens_per_second": tps, "acceptance": acc, **more}
+
+    rows = [cell("batch", "1", 1, 100.0, [float("nan")]), cell("batch", "3", 1, 150.0, [0.8]),
+            cell("mlx-vlm", "1", 1, 90.0, first_mismatch=[None]),
+            cell("mlx-vlm", "3", 1, 120.0, [0.8], first_mismatch=[None]),
+            cell("batch", "1", 4, 300.0, [float("nan")] * 4), cell("batch", "3", 4, 330.0, [0.7, 0.9, 0.8, 0.8]),
+            cell("batch", "auto", 4, 352.0, [0.9] * 4),
+            cell("mlx-vlm", "1", 4, 280.0, first_mismatch=[None] * 4),
+            cell("mlx-vlm", "3", 4, 220.0, [0.5] * 4, first_mismatch=[None, None, 5, None])]
+    from qmtp.book import bench_batch
+
+    report = {"rows": rows, "goals": bench_batch.goals(rows), "notes": []}
+    peers = under_load.peer_rows(report)
+    assert [p["batch"] for p in peers] == [1, 4] and peers[1]["differ"] == [("3", 2, 5)]
+    table = under_load.peer_table(report)
+    assert "330 (0.70-0.90) / 220 (0.50)" in table and "n_draft 3 row 2 differs from position 5" in table
+    assert "qmtp's, every row" in table
+    text = under_load.peer_sentences(report)
+    assert ("qmtp's best drafting width (n_draft auto) gave 1.60x the aggregate tokens/s of mlx-vlm's at n_draft 3, "
+            "the one drafting width it ran, 1.50x at n_draft 3 both") in text
+    assert "from 0.80 at 1 row to 0.50 at 4" in text
+    assert "batch 4 n_draft 3 row 2 (from position 5)" in text
+
+
+def test_a_peer_that_did_not_run_is_said_so():
+    report = {"rows": [], "goals": {}, "notes": ["mlx-vlm: not run, mlx-vlm is not installed"]}
+    assert under_load.peer_table(report) == "mlx-vlm: not run, mlx-vlm is not installed"
+    assert under_load.peer_sentences(report) == "mlx-vlm: not run, mlx-vlm is not installed."

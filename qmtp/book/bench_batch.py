@@ -4,12 +4,15 @@ For every width (n_draft 1..5, "auto") and batch size B, B prompts of different 
 (`qmtp.generate_batch`, greedy, end ids ignored so every row runs its `max_tokens`): the batch's aggregate
 tokens per second (all rows' tokens over the batch's wall time, prefill included), each row's own tokens per
 second after its first token, acceptance and time to first token; beside them the same B prompts run one after
-another by `qmtp.generate` (plain), and, where mlx-lm offers it, mlx-lm's `batch_generate` on the same file.
-The configurations are interleaved round by round (a shared machine drifts) and each cell keeps its median.
+another by `qmtp.generate` (plain), where mlx-lm offers it mlx-lm's `batch_generate` on the same file, and where
+mlx-vlm offers it mlx-vlm's `BatchGenerator` at every fixed width (plain, and with its batched MTP drafting; it has
+no auto width), whose tokens are checked row by row against qmtp's greedy batch. The configurations are
+interleaved round by round (a shared machine drifts) and each cell keeps its median.
 
 Goals (issue 35): 4 rows plain >= 2.5x four single runs; 4 rows drafting (the best width) >= 1.4x 4 rows
-plain; where one is missed the report carries the batch's per-phase profile (prefill, the step's device work
-and sync, the host's bookkeeping).
+plain; qmtp's plain batch and its best drafting width at least as fast as mlx-lm's batch and mlx-vlm's best
+drafting width; where one is missed the report carries the batch's per-phase profile (prefill, the step's device
+work and sync, the host's bookkeeping).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ..errors import UsageError
 from ..options import Engine
 from . import machine
 from ..speculative import PhaseTimer
@@ -80,6 +84,36 @@ def _mlx_lm_cell(peer, prompts, max_tokens: int) -> dict:
     return {"tokens_per_second": tokens / seconds, "seconds": seconds}
 
 
+def _mlx_vlm_cell(engine, prompts, n_draft: int, max_tokens: int, reference: list[list[int]]) -> dict:
+    result = engine.generate_batch(prompts, max_tokens, n_draft)
+    return {"tokens_per_second": result["tokens_per_second"], "seconds": result["seconds"],
+            "steps": result["passes"],
+            "row_tokens_per_second": [r["tokens_per_second"] for r in result["rows"]],
+            "acceptance": [r["acceptance"] for r in result["rows"]] if n_draft > 1 else None,
+            "first_token_seconds": [r["first_token_seconds"] for r in result["rows"]],
+            "lockstep": result["lockstep"],
+            "first_mismatch": [first_mismatch(r["tokens"], ours) for r, ours in zip(result["rows"], reference)]}
+
+
+def first_mismatch(theirs: list[int], ours: list[int]) -> int | None:
+    """The first position where two token lists differ (a length difference counts), or None if equal."""
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            return i
+    return None if len(theirs) == len(ours) else min(len(theirs), len(ours))
+
+
+def _mlx_vlm_peer(model):
+    """(mlx-vlm's engine for the same file, None), or (None, why not: not installed, no batched MTP, no file)."""
+    from . import peer
+
+    reason = peer.batch_unavailable() or (None if model.path else "the model has no file for mlx-vlm to load")
+    return (None, reason) if reason else (peer.MlxVlmEngine(model.path, model.dtype), None)
+
+
+NO_AUTO = "mlx-vlm has no auto width"
+
+
 def _mlx_lm_peer(model):
     """mlx-lm's model and tokenizer for the same file, or None (no batch_generate, or no file)."""
     try:
@@ -95,18 +129,45 @@ def _mlx_lm_peer(model):
 
 
 def _median(cells: list[dict]) -> dict:
-    """Per field, the median over rounds (lists element by element; phases of the median round)."""
+    """Per field, the median over rounds (lists element by element; phases of the median round). A token
+    mismatch of any round is kept (the rounds decode the same prompts: one differing round is a finding)."""
     middle = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
     out = dict(middle)
     out["tokens_per_second"] = statistics.median(c["tokens_per_second"] for c in cells)
+    if "first_mismatch" in middle:
+        out["first_mismatch"] = [min((m for m in row if m is not None), default=None)
+                                 for row in zip(*(c["first_mismatch"] for c in cells))]
     return out
 
 
+PEERS = ("mlx-lm", "mlx-vlm")
+
+
 def run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5, "auto"), max_tokens: int = 64, rounds: int = 3,
-        peers: bool = True, progress=None) -> dict:
-    """Every (width, batch size) cell, the singles and mlx-lm's batch per size, interleaved over `rounds` after
-    one warm-up round (compiling every trace); the medians and the goals."""
-    peer = _mlx_lm_peer(model) if peers else None
+        peers=PEERS, peer_n_drafts=None, progress=None) -> dict:
+    """Every (width, batch size) cell, the singles and the peers' batches per size, interleaved over `rounds`
+    after one warm-up round (compiling every trace); the medians and the goals. `peers`: which of `PEERS` run
+    (True: all, False: none), each where installed; mlx-vlm runs at `peer_n_drafts` (default: the fixed widths
+    of `n_drafts`), its tokens checked against qmtp's greedy batch of the same prompts."""
+    peers = PEERS if peers is True else () if peers is False else tuple(peers)
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise UsageError(f"peers {sorted(unknown)}: choose among {', '.join(PEERS)}")
+    mlx_lm = _mlx_lm_peer(model) if "mlx-lm" in peers else None
+    mlx_vlm, mlx_vlm_missing = _mlx_vlm_peer(model) if "mlx-vlm" in peers else (None, None)
+    vlm_asked = list(n_drafts if peer_n_drafts is None else peer_n_drafts)
+    vlm_widths = [n for n in vlm_asked if n != "auto"]
+    notes = [f"mlx-vlm: not run, {mlx_vlm_missing}"] if mlx_vlm_missing else []
+    if mlx_vlm is not None and "auto" in vlm_asked:
+        notes.append(f"mlx-vlm auto: not run, {NO_AUTO}")
+    references = {}
+    if mlx_vlm is not None:
+        from ..batch import generate_batch
+
+        for size in batches:  # greedy: every width of qmtp gives these tokens (its tests check it)
+            references[size] = [g.tokens for g in generate_batch(
+                model, prompts_for(model, size), max_tokens=max_tokens, n_draft=1, stop_at_eos=False,
+                engine=Engine(track_experts=False))]
     cells: dict[tuple, list] = {}
     for round_ in range(rounds + 1):
         for size in batches:
@@ -114,8 +175,12 @@ def run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5, "auto"), max_token
             plan = [(("batch", str(n), size), lambda n=n: _batch_cell(model, prompts, n, max_tokens))
                     for n in n_drafts]
             plan.append((("singles", "1", size), lambda: _singles_cell(model, prompts, max_tokens)))
-            if peer is not None:
-                plan.append((("mlx-lm", "1", size), lambda: _mlx_lm_cell(peer, prompts, max_tokens)))
+            if mlx_lm is not None:
+                plan.append((("mlx-lm", "1", size), lambda: _mlx_lm_cell(mlx_lm, prompts, max_tokens)))
+            if mlx_vlm is not None:
+                plan += [(("mlx-vlm", str(n), size),
+                          lambda n=n: _mlx_vlm_cell(mlx_vlm, prompts, n, max_tokens, references[size]))
+                         for n in vlm_widths]
             for name, cell in plan:
                 result = cell()
                 if round_:  # the first round compiles
@@ -123,7 +188,8 @@ def run(model, batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5, "auto"), max_token
                 if progress:
                     progress(f"round {round_} {name}: {result['tokens_per_second']:.1f} tok/s")
     rows = [{"engine": e, "n_draft": n, "batch": b, **_median(c)} for (e, n, b), c in cells.items()]
-    return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "goals": goals(rows)}
+    return {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "goals": goals(rows), "notes": notes,
+            "mlx_vlm": mlx_vlm.version if mlx_vlm is not None else None}
 
 
 def _speed(rows, engine, n_draft, batch):
@@ -131,22 +197,38 @@ def _speed(rows, engine, n_draft, batch):
     return found[0] if found else None
 
 
-def goals(rows: list[dict], size: int = 4) -> dict:
-    """The issue's goals at `size` rows: plain batch over singles, best drafting width over plain batch (and
-    qmtp's plain batch over mlx-lm's where measured), each with its target and whether it is met."""
-    plain, singles = _speed(rows, "batch", "1", size), _speed(rows, "singles", "1", size)
+def _best_drafting(rows, engine, size):
+    """(tokens/s, n_draft) of `engine`'s fastest drafting width at `size` rows, or None."""
     drafting = [(r["tokens_per_second"], r["n_draft"]) for r in rows
-                if r["engine"] == "batch" and r["batch"] == size and r["n_draft"] != "1"]
+                if r["engine"] == engine and r["batch"] == size and r["n_draft"] != "1"]
+    return max(drafting) if drafting else None
+
+
+def goals(rows: list[dict], size: int = 4) -> dict:
+    """The issue's goals at `size` rows: plain batch over singles, best drafting width over plain batch (and,
+    where measured, qmtp's plain batch over mlx-lm's and qmtp's best drafting width over mlx-vlm's best), each
+    with its target and whether it is met."""
+    plain, singles = _speed(rows, "batch", "1", size), _speed(rows, "singles", "1", size)
+    drafting = _best_drafting(rows, "batch", size)
     out = {}
     if plain and singles:
         out["plain_batch_over_singles"] = {"ratio": plain / singles, "goal": GOALS["plain_batch_over_singles"]}
     if plain and drafting:
-        best, width = max(drafting)
+        best, width = drafting
         out["drafting_over_plain_batch"] = {"ratio": best / plain, "goal": GOALS["drafting_over_plain_batch"],
                                             "n_draft": width}
     theirs = _speed(rows, "mlx-lm", "1", size)
     if plain and theirs:
         out["plain_batch_over_mlx_lm"] = {"ratio": plain / theirs, "goal": 1.0}
+    theirs_drafting = _best_drafting(rows, "mlx-vlm", size)
+    if drafting and theirs_drafting:
+        # best against best (qmtp's may be auto, which mlx-vlm lacks), and width by width where both ran
+        same_width = {r["n_draft"]: _speed(rows, "batch", r["n_draft"], size) / r["tokens_per_second"]
+                      for r in rows if r["engine"] == "mlx-vlm" and r["batch"] == size and r["n_draft"] != "1"
+                      and _speed(rows, "batch", r["n_draft"], size)}
+        out["drafting_over_mlx_vlm_drafting"] = {"ratio": drafting[0] / theirs_drafting[0], "goal": 1.0,
+                                                 "n_draft": drafting[1], "mlx_vlm_n_draft": theirs_drafting[1],
+                                                 "at_same_width": same_width}
     for goal in out.values():
         goal["met"] = goal["ratio"] >= goal["goal"]
     return out
@@ -154,17 +236,40 @@ def goals(rows: list[dict], size: int = 4) -> dict:
 
 def table(report: dict) -> str:
     """The report as a text table, then the goals (with the per-phase profile of the cells they compare)."""
+    def fmt(values, spec):
+        return " ".join("-" if v is None else format(v, spec) for v in values) if values else "-"
+
+    def same(r):
+        """Per row: '=' where mlx-vlm's tokens are qmtp's greedy tokens, else the first position they differ."""
+        if "first_mismatch" not in r:
+            return "-"
+        return " ".join("=" if m is None else f"@{m}" for m in r["first_mismatch"])
+
     lines = [f"{'engine':8} {'n_draft':>7} {'batch':>5} {'tok/s':>8} {'per row tok/s':>28} {'acceptance':>24} "
-             f"{'ttft s':>22}"]
+             f"{'ttft s':>22} {'tokens = qmtp':>15}"]
     for r in report["rows"]:
-        def fmt(values, spec):
-            return " ".join(format(v, spec) for v in values) if values else "-"
         lines.append(f"{r['engine']:8} {r['n_draft']:>7} {r['batch']:>5} {r['tokens_per_second']:8.1f} "
                      f"{fmt(r.get('row_tokens_per_second'), '.1f'):>28} {fmt(r.get('acceptance'), '.2f'):>24} "
-                     f"{fmt(r.get('first_token_seconds'), '.2f'):>22}")
+                     f"{fmt(r.get('first_token_seconds'), '.2f'):>22} {same(r):>15}")
+    lines += report.get("notes", [])
+    lockstep = sorted({r["batch"] for r in report["rows"] if r["engine"] == "mlx-vlm" and r.get("lockstep")
+                       and r["batch"] > 1})
+    if lockstep:
+        lines.append(f"mlx-vlm's rows accept in lockstep (requires_uniform_batch_acceptance) at batch "
+                     f"{', '.join(map(str, lockstep))}: every row accepts the smallest count of its round")
+    mismatched = [r for r in report["rows"] if any(m is not None for m in r.get("first_mismatch", ()))]
+    for r in mismatched:
+        lines.append(f"MISMATCH {r['engine']} n_draft {r['n_draft']} batch {r['batch']}: rows "
+                     f"{[i for i, m in enumerate(r['first_mismatch']) if m is not None]} differ from qmtp's greedy "
+                     f"tokens (first at {[m for m in r['first_mismatch'] if m is not None]})")
     for name, goal in report["goals"].items():
         verdict = "met" if goal["met"] else f"missed by {goal['goal'] / goal['ratio']:.2f}x"
-        lines.append(f"{name}: {goal['ratio']:.2f}x (goal {goal['goal']}x) {verdict}")
+        widths = ""
+        if "mlx_vlm_n_draft" in goal:
+            widths = f" (n_draft {goal['n_draft']} over {goal['mlx_vlm_n_draft']}" + "".join(
+                f"; at n_draft {n} both {ratio:.2f}x" for n, ratio in goal["at_same_width"].items()
+                if not n == goal["n_draft"] == goal["mlx_vlm_n_draft"]) + ")"  # that pair is the ratio itself
+        lines.append(f"{name}: {goal['ratio']:.2f}x{widths} (goal {goal['goal']}x) {verdict}")
     for r in report["rows"]:
         if r["engine"] == "batch" and r["batch"] == 4 and r.get("phases"):
             phases = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(r["phases"].items()))
@@ -302,7 +407,10 @@ def main(argv=None) -> int:
     parser.add_argument("--n-draft", default="1,2,3,4,5,auto", help="widths, comma-separated (auto allowed)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (medians kept)")
-    parser.add_argument("--no-peers", action="store_true", help="leave mlx-lm's batch_generate out")
+    parser.add_argument("--no-peers", action="store_true", help="leave the peers (mlx-lm, mlx-vlm) out")
+    parser.add_argument("--peers", default=",".join(PEERS), help="which peers run, comma-separated, each where "
+                        "installed: mlx-lm (batch_generate, plain), mlx-vlm (BatchGenerator, plain and batched MTP "
+                        "at the fixed widths of --n-draft; it has no auto width)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--real-width", action="store_true", help="instead: the trunk of verify passes over B rows x "
                         "n_draft tokens timed on the real widths (256 experts, in memory, about 6 GB), experts counted")
@@ -318,7 +426,8 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1, default=str))
         return 0
-    report = run(load(args.model), batches, n_drafts, args.max_tokens, args.rounds, not args.no_peers,
+    peers = () if args.no_peers else tuple(p for p in args.peers.split(",") if p)
+    report = run(load(args.model), batches, n_drafts, args.max_tokens, args.rounds, peers,
                  progress=lambda line: print(line, flush=True))
     print(table(report))
     if args.json:

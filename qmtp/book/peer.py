@@ -98,17 +98,143 @@ class MlxVlmEngine:
         result = {"tokens": tokens, "seconds": time.perf_counter() - first, "passes": len(tokens) - 1,
                   "proposed": [], "accepted": [], "acceptance": None, "acceptance_per_position": None}
         if n_draft > 1:
-            rounds = list(zip(self.drafter.accept_lens, self.drafter.draft_lens))  # reset by every generation
-            proposed, accepted = [0] * (n_draft - 1), [0] * (n_draft - 1)
-            for a, d in rounds:
-                for i in range(min(int(a) + 1, d)):
-                    proposed[i] += 1
-                for i in range(int(a)):
-                    accepted[i] += 1
-            result.update(passes=len(rounds), proposed=proposed, accepted=accepted)
-            result["acceptance"] = sum(accepted) / sum(proposed) if sum(proposed) else None
-            result["acceptance_per_position"] = [a / p if p else None for a, p in zip(accepted, proposed)]
+            result.update(self._drafter_counts(n_draft))
         return result
+
+    def _drafter_counts(self, n_draft: int) -> dict:
+        """The drafter's record of the last generation (reset by every one): per round the drafts accepted and
+        proposed, as qmtp's Stats counts them (a draft is proposed only if every draft before it in its pass
+        was accepted). In a batch mlx-vlm records each round's accepted count averaged over its rows."""
+        rounds = list(zip(self.drafter.accept_lens, self.drafter.draft_lens))
+        proposed, accepted = [0] * (n_draft - 1), [0] * (n_draft - 1)
+        for a, d in rounds:
+            for i in range(min(int(a) + 1, d)):
+                proposed[i] += 1
+            for i in range(int(a)):
+                accepted[i] += 1
+        return {"passes": len(rounds), "proposed": proposed, "accepted": accepted,
+                "acceptance": sum(accepted) / sum(proposed) if sum(proposed) else None,
+                "acceptance_per_position": [a / p if p else None for a, p in zip(accepted, proposed)]}
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int, n_draft: int) -> dict:
+        """The `prompts` (token ids) decoded together by mlx-vlm's `BatchGenerator`, greedy, `max_tokens` each
+        (end ids ignored, as `bench batch` runs qmtp); `n_draft` as in `generate` (1: mlx-vlm's plain batch; more:
+        its batched MTP drafting, `draft_kind="mtp"`, block size `n_draft`). mlx-vlm has no adaptive width.
+
+        Returns `rows` (in the prompts' order), each with its `tokens`, `first_token_seconds` (from the call),
+        `seconds` (its first token to its last) and `tokens_per_second` (tokens after the first over those
+        seconds, as qmtp's Stats counts them); `seconds` and `tokens_per_second` of the whole batch (all rows'
+        tokens over the call's wall time, prefill included); when drafting, the drafter's `passes`, `proposed`,
+        `accepted` and `acceptance`, and `lockstep`: whether mlx-vlm makes every row accept the same number of
+        drafts per round (`requires_uniform_batch_acceptance`, qwen3_5's rectangular cache), in which case each
+        row's `acceptance` is the batch's; otherwise mlx-vlm records only each round's mean over rows, kept as
+        `mean_accepted_per_round`, and `acceptance` is None, the batch's and each row's.
+        """
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        reason = batch_unavailable()
+        if reason:
+            raise UsageError(reason)
+        if not prompts or not all(prompts):
+            raise UsageError("every prompt needs at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UsageError(f"max_tokens={max_tokens!r}: use a positive integer")
+        if not isinstance(n_draft, int) or n_draft < 1:
+            raise UsageError(f"n_draft={n_draft!r}: use 1 (plain decoding) or more (mlx-vlm has no auto width)")
+        language_model = self.model.language_model
+        drafting = dict(draft_model=self.drafter, draft_kind="mtp", draft_block_size=n_draft) if n_draft > 1 else {}
+        started = time.perf_counter()
+        # The whole prompt in one prefill pass, as in `generate`; each row brings its own embeddings (mlx-vlm's
+        # batch prefill takes `inputs_embeds` per row, what its processor would make for a text-only prompt).
+        generator = BatchGenerator(language_model, _NoStopProcessor(), max_tokens=max_tokens,
+                                   prefill_batch_size=len(prompts), completion_batch_size=len(prompts),
+                                   prefill_step_size=None, compute_logprobs=False, **drafting)
+        try:
+            row_inputs = []
+            for prompt in prompts:
+                embedded = self.model.get_input_embeddings(mx.array([prompt]), None).to_dict()
+                row_inputs.append({k: v for k, v in embedded.items() if v is not None})
+            uids = generator.insert(prompts, max_tokens, prompt_kwargs=row_inputs)
+            tokens = {uid: [] for uid in uids}
+            first, last = {}, {}
+            while generator.has_work:
+                _, responses = generator.next()
+                now = time.perf_counter()
+                for response in responses:
+                    if response.token is None:
+                        continue
+                    tokens[response.uid].append(int(response.token))
+                    first.setdefault(response.uid, now)
+                    last[response.uid] = now
+        finally:
+            generator.close()
+        seconds = time.perf_counter() - started
+        rows = []
+        for uid in uids:
+            decode = last[uid] - first[uid]
+            rows.append({"tokens": tokens[uid], "first_token_seconds": first[uid] - started, "seconds": decode,
+                         "tokens_per_second": (len(tokens[uid]) - 1) / decode if decode else float("nan"),
+                         "acceptance": None})
+        result = {"rows": rows, "seconds": seconds,
+                  "tokens_per_second": sum(len(r["tokens"]) for r in rows) / seconds,
+                  "passes": None, "proposed": [], "accepted": [], "acceptance": None, "lockstep": None}
+        if n_draft > 1:
+            result.update(self._drafter_counts(n_draft))
+            # mlx-vlm clamps every row to the smallest acceptance when the drafter or the target asks for it
+            result["lockstep"] = len(prompts) == 1 or any(
+                getattr(m, "requires_uniform_batch_acceptance", False) for m in (self.drafter, language_model))
+            if result["lockstep"]:
+                for row in rows:
+                    row["acceptance"] = result["acceptance"]
+            else:  # each round's count is a mean over rows: counting drafts proposed from it would be wrong
+                rounds = self.drafter.accept_lens
+                result.update(proposed=[], accepted=[], acceptance=None, acceptance_per_position=None,
+                              mean_accepted_per_round=sum(rounds) / len(rounds) if rounds else None)
+        return result
+
+
+class _NeverStop:
+    """Stopping criteria that never stop: the bench runs every row its `max_tokens`, end ids included, as it runs
+    qmtp."""
+
+    def add_eos_token_ids(self, token_ids):
+        pass
+
+    def __call__(self, token) -> bool:
+        return False
+
+
+class _NoStopProcessor:
+    """All `BatchGenerator` asks of a processor when no text is decoded: its stopping criteria."""
+
+    def __init__(self):
+        self.stopping_criteria = _NeverStop()
+
+
+def batch_unavailable() -> str | None:
+    """None if the installed mlx-vlm decodes a batch with MTP drafts, else why not, in one line. Checked by
+    feature: `BatchGenerator` taking a drafter (`draft_model`, `draft_kind`, `draft_block_size`) and a batched MTP
+    round loop in `mlx_vlm.speculative.mtp`."""
+    import inspect
+
+    reason = available()
+    if reason:
+        return reason
+    import mlx_vlm
+
+    try:
+        from mlx_vlm.generate.ar import BatchGenerator
+        from mlx_vlm.speculative import mtp
+    except ImportError as err:
+        return f"mlx-vlm {mlx_vlm.__version__} has no batch generator ({err}): {INSTALL_HINT}"
+    missing = [name for name in ("draft_model", "draft_kind", "draft_block_size")
+               if name not in inspect.signature(BatchGenerator).parameters]
+    if missing:
+        return (f"mlx-vlm {mlx_vlm.__version__}'s BatchGenerator takes no drafter ({', '.join(missing)} missing): "
+                f"{INSTALL_HINT}")
+    if not callable(getattr(mtp, "_mtp_rounds_batch", None)):
+        return f"mlx-vlm {mlx_vlm.__version__} has no batched MTP drafting (no _mtp_rounds_batch): {INSTALL_HINT}"
+    return None
 
 
 ROCM_MARK = ".rocm"  # written into the venv by `make rocm-venv` (the Makefile's ROCM_MARK)

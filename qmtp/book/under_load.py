@@ -270,6 +270,97 @@ def measured_table(rows: list[dict]) -> str:
     return markdown_table(shown, ["B", "one by one"] + [f"n_draft {n}" for n in widths])
 
 
+def _accepted(values) -> list[float]:
+    """Each row's acceptance, without the rows that drafted nothing (NaN from qmtp, None from a peer)."""
+    return [a for a in values or () if a is not None and a == a]
+
+
+def peer_rows(report: dict, peer: str = "mlx-vlm") -> list[dict]:
+    """One dict per batch size of a `bench_batch.run` report that ran `peer`: at each width both engines ran, qmtp's
+    and the peer's aggregate tokens/s and each row's acceptance; and the rows whose tokens differ from qmtp's
+    greedy batch (as `(n_draft, row, first position)`)."""
+    widths = sorted({r["n_draft"] for r in report["rows"] if r["engine"] == peer}
+                    & {r["n_draft"] for r in report["rows"] if r["engine"] == "batch"}, key=str)
+    out = []
+    for b in sorted({r["batch"] for r in report["rows"] if r["engine"] == peer}):
+        cells = {(r["engine"], r["n_draft"]): r for r in report["rows"] if r["batch"] == b}
+        row = {"batch": b, "widths": widths, "differ": []}
+        for n in widths:
+            ours, theirs = cells[("batch", n)], cells[(peer, n)]
+            row[f"qmtp {n}"], row[f"{peer} {n}"] = ours["tokens_per_second"], theirs["tokens_per_second"]
+            row[f"acceptance qmtp {n}"] = _accepted(ours.get("acceptance"))
+            row[f"acceptance {peer} {n}"] = _accepted(theirs.get("acceptance"))
+            row["differ"] += [(n, i, m) for i, m in enumerate(theirs.get("first_mismatch", ())) if m is not None]
+        out.append(row)
+    return out
+
+
+def _peer_missing(report: dict, peer: str) -> str:
+    notes = [n for n in report.get("notes", ()) if n.startswith(f"{peer}: not run")]
+    return notes[0] if notes else f"{peer}: not run (the report did not ask for it)"
+
+
+def peer_table(report: dict, peer: str = "mlx-vlm") -> str:
+    """`peer_rows` of `report` as a Markdown table: per width "qmtp / peer" tokens/s, each row's acceptance in
+    brackets (one value when every row's is the same), and whether the peer's tokens were qmtp's in every row;
+    if the peer did not run, why not."""
+    def acceptance(values):
+        if not values:
+            return ""
+        return f" ({min(values):.2f})" if min(values) == max(values) else f" ({min(values):.2f}-{max(values):.2f})"
+
+    rows = peer_rows(report, peer)
+    if not rows:
+        return _peer_missing(report, peer)
+    shown = []
+    for r in rows:
+        cell = {"B": r["batch"]}
+        for n in r["widths"]:
+            cell[f"n_draft {n}: qmtp / {peer}"] = (f"{r[f'qmtp {n}']:.0f}{acceptance(r[f'acceptance qmtp {n}'])} / "
+                                                   f"{r[f'{peer} {n}']:.0f}{acceptance(r[f'acceptance {peer} {n}'])}")
+        cell["tokens"] = "qmtp's, every row" if not r["differ"] else "; ".join(
+            f"n_draft {n} row {i} differs from position {m}" for n, i, m in r["differ"])
+        shown.append(cell)
+    return markdown_table(shown, list(shown[0]))
+
+
+def peer_sentences(report: dict, peer: str = "mlx-vlm", size: int = 4) -> str:
+    """What the chapter says of `peer` beside qmtp, from `report`: the goal at `size` rows (qmtp's best drafting
+    width over the peer's), how each engine's acceptance at its widest drafting width moves from the smallest
+    batch to the largest, and whether the peer's tokens were qmtp's."""
+    rows = peer_rows(report, peer)
+    if not rows:
+        return f"{_peer_missing(report, peer)}."
+    out = []
+    goal = report["goals"].get("drafting_over_mlx_vlm_drafting")
+    if goal:
+        theirs_ran = [n for n in rows[0]["widths"] if n != "1"]
+        theirs = (f"{peer}'s at n_draft {goal['mlx_vlm_n_draft']}, the one drafting width it ran" if len(theirs_ran) == 1
+                  else f"{peer}'s best (n_draft {goal['mlx_vlm_n_draft']})")
+        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in goal["at_same_width"].items()
+                       if not (n == goal["n_draft"] == goal["mlx_vlm_n_draft"]))
+        out.append(f"At {size} rows qmtp's best drafting width (n_draft {goal['n_draft']}) gave {goal['ratio']:.2f}x "
+                   f"the aggregate tokens/s of {theirs}{same}")
+    widest = max((n for n in rows[0]["widths"] if n != "1"), key=int, default=None)
+    if widest:
+        first, last = rows[0], rows[-1]
+
+        def mean(values):
+            return statistics.mean(values) if values else float("nan")
+
+        out.append(f"at n_draft {widest} {peer}'s acceptance went from "
+                   f"{mean(first[f'acceptance {peer} {widest}']):.2f} at {first['batch']} "
+                   f"row{'s' if first['batch'] > 1 else ''} to {mean(last[f'acceptance {peer} {widest}']):.2f} at "
+                   f"{last['batch']}, qmtp's on the same rows (their mean) from {mean(first[f'acceptance qmtp {widest}']):.2f} "
+                   f"to {mean(last[f'acceptance qmtp {widest}']):.2f}")
+    differ = [(r["batch"], n, i, m) for r in rows for n, i, m in r["differ"]]
+    out.append(f"{peer}'s tokens were qmtp's greedy tokens in every row of every batch" if not differ else
+               f"{peer}'s tokens differed from qmtp's greedy tokens in " + "; ".join(
+                   f"batch {b} n_draft {n} row {i} (from position {m})" for b, n, i, m in differ))
+    text = "; ".join(out)
+    return text[0].upper() + text[1:] + "."
+
+
 def answer(report: dict) -> dict:
     """What the chapter concludes, as values to glue: the break-even batch per machine under each reading, the
     limits of the gain once the union saturates, and what was measured here."""
