@@ -461,7 +461,12 @@ glue("direct_chars", len(direct["alone"]), display=False)
 #    hosts; a latency far above the rows of the link table moves every prediction here.
 # 4. One generation across the hosts with `--timeout`, so that a rank that hangs ends every rank: a host that
 #    cannot reach another's listening port shows as "could not join the ring".
-# 5. Only then the model at full size, at the `n_draft` the table gives for your machines and link.
+# 5. The same files on every host: before the first token the ranks compare config.json, the tokenizer files,
+#    the chat template, generation_config.json and the bytes of every tensor each one loads, and all refuse
+#    with one line naming the file, or the tensor, expert and rank, that differs. Copy one folder to every host;
+#    a qmtp conversion records its tensors' digests (`qmtp-digests.json`), against which each rank checks only the
+#    experts it holds, while with the release's files rank 0 reads every expert once to be the reference.
+# 6. Only then the model at full size, at the `n_draft` the table gives for your machines and link.
 #
 # ## Summary
 #

@@ -553,6 +553,10 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: is closed; open it again to read {name!r}")
         return read_tensor(info, index, handle.fileno())
 
+    def fileno(self, name: str) -> int:
+        """The open file descriptor of the file that stores tensor `name` (read with pread, never moved)."""
+        return self._open[self.infos[name].file].fileno()
+
     def hash_headers(self, digest) -> None:
         """`hash_headers` of this checkpoint's files as they were read (not what their paths name now)."""
         for file in sorted(self.files, key=lambda f: f.name):

@@ -58,9 +58,9 @@ class Stream:
     """The digest of one tensor written in pieces of any size: one for the whole tensor, or with `row_bytes`
     one per row (a piece may end inside a row)."""
 
-    def __init__(self, row_bytes: int | None = None):
-        self.row_bytes, self.rows = row_bytes, []
-        self.current = _hasher()
+    def __init__(self, row_bytes: int | None = None, algorithm: str = ALGORITHM):
+        self.row_bytes, self.rows, self.algorithm = row_bytes, [], algorithm
+        self.current = _hasher(algorithm)
         self.filled = 0
 
     def update(self, piece) -> None:
@@ -75,7 +75,7 @@ class Stream:
             view = view[take:]
             if self.filled == self.row_bytes:
                 self.rows.append(self.current.digest()[:SIZE].hex())
-                self.current, self.filled = _hasher(), 0
+                self.current, self.filled = _hasher(self.algorithm), 0
 
     def result(self):
         """The hex digest, or the list of the rows' hex digests."""

@@ -78,7 +78,7 @@ def load(path=None, fixes=fixes_mod.DEFAULT_FIXES, dtype=None, head: bool = True
     `parallel.DistributedError` on every rank when they did not, or when the E experts do not split evenly.
     Before the first token every rank proves it holds the same model: the ranks compare config.json, the
     tokenizer files, chat template, generation config and the safetensors headers by name, and each hashes the
-    bytes of every tensor it loads (sha256, beside the reading), checked against the digests a qmtp conversion
+    bytes of every tensor it loads (XXH3, as it reads them), checked against the digests a qmtp conversion
     recorded (`qmtp.digests`); a checkpoint without them is checked against rank 0, which then also reads the
     other ranks' experts (the whole checkpoint once). The error names the file, or the tensor, expert and rank.
     A group of one rank (or None) loads the whole model.

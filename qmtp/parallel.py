@@ -21,7 +21,6 @@ pass's experts, plus that first expert at most.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
 from dataclasses import dataclass
@@ -120,8 +119,7 @@ SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_te
               digests.FILE)
 ABSENT = bytes(digests.SIZE)  # the digest of a file a rank does not have
 TAKING_PART = b"qmtp:same-model!"  # what every rank sends first in a comparison (16 bytes)
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # the hash releases the GIL: hashing beside the reading
-PENDING_BYTES = 256 << 20  # tensor bytes kept alive for hashing at most, past which the reader waits
+OTHERS_PIECE_BYTES = 4 << 20  # rank 0 hashes the other ranks' experts from the file through a buffer this big
 
 
 def _file_digest(path: Path) -> bytes:
@@ -182,18 +180,15 @@ class Holdings:
     """
 
     def __init__(self, source, shard: ExpertShard, names: list[str]):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.source, self.shard = source, shard
         self.manifest = digests.read(source.path, source.ckpt.metadata)
+        # a conversion's digests are checked with the algorithm it recorded them with; ranks without any compare theirs
+        self.algorithm = self.manifest.algorithm if self.manifest is not None else digests.ALGORITHM
         self.units: dict[tuple[str, int | None], int] = {}
         for name in names:
             for row in (range(shard.n_experts) if is_routed_expert(name) else (None,)):
                 self.units[(name, row)] = len(self.units)
         self.computed = np.zeros((len(self.units), digests.SIZE), np.uint8)  # zeros: not read by this rank
-        self.pending = collections.deque()  # (future, bytes) in submission order
-        self.pending_bytes = 0
-        self.pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="qmtp-digest")
 
     @property
     def reads_every_expert(self) -> bool:
@@ -202,39 +197,61 @@ class Holdings:
         return self.manifest is None and self.shard.rank == 0
 
     def add(self, name: str, raw, rows: tuple[int, int] | None) -> None:
-        """Hash `raw` (the evaluated tensor as stored, or rows `rows` of a routed expert stack) on a worker."""
-        view = tensor_bytes(raw)
-        first = (None,) if rows is None else range(*rows)
-        units = [self.units[(name, row)] for row in first]
-        # a conversion's digests are checked with the algorithm it recorded them with; ranks without any compare theirs
-        algorithm = self.manifest.algorithm if self.manifest is not None else digests.ALGORITHM
-        task = ((lambda data, count: digests.rows_of(data, count, algorithm)) if rows is not None
-                else (lambda data, _: [digests.of(data, algorithm)]))
-        self.pending.append((self.pool.submit(self._hash, task, view, len(units), units), len(view)))
-        self.pending_bytes += len(view)
-        # done hashes let their bytes go; past PENDING_BYTES the reader waits for the oldest
-        while self.pending and (self.pending[0][0].done() or self.pending_bytes > PENDING_BYTES):
-            future, size = self.pending.popleft()
-            future.result()
-            self.pending_bytes -= size
+        """Hash `raw` (the evaluated tensor as stored, or rows `rows` of a routed expert stack).
 
-    def _hash(self, task, view, count: int, units: list[int]) -> None:
-        for unit, digest in zip(units, task(view, count)):
-            self.computed[unit] = np.frombuffer(digest, np.uint8)
+        On the loading thread, while the bytes are in the CPU's caches: XXH3 runs at several GB/s a core, so a
+        hash costs a few percent of a load; hashing on worker threads beside the reading cost more on a machine
+        with few cores (12% of a two-rank load of the reduced preset on 2 cores, against 4% inline), the
+        workers competing with the reading and with MLX's own threads."""
+        view = tensor_bytes(raw)
+        if rows is None:
+            self._record(self.units[(name, None)], digests.of(view, self.algorithm))
+            return
+        for row, digest in zip(range(*rows), digests.rows_of(view, rows[1] - rows[0], self.algorithm)):
+            self._record(self.units[(name, row)], digest)
+
+    def _record(self, unit: int, digest: bytes) -> None:
+        self.computed[unit] = np.frombuffer(digest, np.uint8)
 
     def add_others(self, reader, name: str, recipe) -> None:
-        """For `reads_every_expert`: read and hash the other ranks' blocks of routed expert stack `name`."""
+        """For `reads_every_expert`: hash the other ranks' blocks of routed expert stack `name`.
+
+        A stored stack (`copy`) is hashed straight from the file through a small buffer, never held as an MLX
+        array (at full size the other ranks' experts are most of the checkpoint); a stack made of per-expert
+        tensors (the release's layout) is read one expert at a time."""
+        held = self.shard.held
         for rank in range(1, self.shard.size):
-            rows = (rank * self.shard.held, (rank + 1) * self.shard.held)
-            raw = reader.materialise(recipe, rows)
-            mx.eval(raw)
-            self.add(name, raw, rows)
+            rows = (rank * held, (rank + 1) * held)
+            if recipe.op == "copy":
+                info = self.source.ckpt.infos[recipe.sources[0]]
+                for row, digest in zip(range(*rows), self._file_rows(info, rows)):
+                    self._record(self.units[(name, row)], digest)
+                continue
+            for row in range(*rows):
+                raw = reader.materialise(recipe, (row, row + 1))
+                mx.eval(raw)
+                self.add(name, raw, (row, row + 1))
+                del raw
+
+    def _file_rows(self, info, rows: tuple[int, int]):
+        """The digest of each row `rows` of stored tensor `info`, read from its file in pieces of at most
+        OTHERS_PIECE_BYTES."""
+        row_bytes = info.nbytes // info.shape[0]
+        stream = digests.Stream(row_bytes, self.algorithm)
+        buffer = memoryview(bytearray(min(OTHERS_PIECE_BYTES, row_bytes * (rows[1] - rows[0]))))
+        at, end = info.offset + rows[0] * row_bytes, info.offset + rows[1] * row_bytes
+        fd = self.source.ckpt.fileno(info.name)  # the file whose header was read, not what its path names now
+        while at < end:
+            piece = buffer[:min(len(buffer), end - at)]
+            got = os.preadv(fd, [piece], at)
+            if got <= 0:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r} is cut short (at byte {at})")
+            stream.update(piece[:got])
+            at += got
+        return [bytes.fromhex(digest) for digest in stream.result()]
 
     def close(self) -> None:
-        while self.pending:
-            self.pending.popleft()[0].result()
-        self.pending_bytes = 0
-        self.pool.shutdown()
+        """Nothing is left running: the hashing is done as each tensor is added."""
 
     def _stored(self, name: str, row: int | None) -> str:
         recipe = self.source.plan.recipes[name]

@@ -73,9 +73,12 @@ def test_an_expert_differing_in_its_last_bytes_is_named(tmp_path):
     refused_by_both(errors(tmp_path, BUNDLED_MODEL, other), f"tensor {name}", "(expert 255)", "rank 1")
 
 
-def test_rank_0_differing_in_an_expert_it_does_not_hold_is_caught(tmp_path):
+@pytest.mark.parametrize("stack", ["down_proj", "gate_up_proj"])
+def test_rank_0_differing_in_an_expert_it_does_not_hold_is_caught(tmp_path, stack):
+    """Rank 0 hashes the other ranks' experts itself: a stored stack (down_proj, loaded as it is) straight from
+    the file, a fused one (gate_up_proj, loaded as two slices) one expert at a time."""
     other = copy_of(BUNDLED_MODEL, tmp_path / "other")
-    name = last_tensor(other, ".mlp.experts.")
+    name = last_tensor(other, f".mlp.experts.{stack}")
     flip_last_bytes(other, name)
     refused_by_both(errors(tmp_path, other, BUNDLED_MODEL), f"tensor {name}", "(expert 255)")
 
