@@ -353,11 +353,11 @@ fig = plots.predicted_speedups(rows, claimed=CLAIMS["speedup_moe"].value)
 # prediction, $\tau\,t_\text{step}(1)/t_\text{step}(n)$.
 
 # %%
-cost = report["cost_model"]
-predicted = {p["n_draft"]: p for p in cost["predictions"]}
 Markdown(throughput.loop_model_table(report))
 
 # %% tags=["remove-cell"]
+cost = report["cost_model"]
+predicted = {p["n_draft"]: p for p in cost["predictions"]}
 plain = by_n[1]
 drafting = [r for r in report["results"] if r["n_draft"] > 1]
 best = max(drafting, key=lambda r: r["speedup_vs_plain"])
