@@ -291,7 +291,8 @@ glue("rw_verdict",
 # %% [markdown]
 # ### Memory per row at full size
 #
-# A row holds its own decoding state: the KV buffers of the 10 attention layers and the head's at its context, the
+# A row holds its own decoding state: the KV buffers of the 10 attention layers and the head's (as long as the
+# positions the batch's longest row has reached, rounded up to a power of two: they grow as rows decode), the
 # 30 DeltaNet layers' state (conv inputs and the recurrent S, in float32), and, during a verify pass of n tokens, one
 # snapshot of that state per position, so the roll back can keep the last accepted one (`qmtp.sizes.row_memory`).
 # Beside the 4-bit model (head in bf16) and a runtime assumed at {glue:text}`runtime_gb:.0f` GB, with

@@ -462,7 +462,8 @@ class ContinuousBatch:
 
     def _start_prefill(self, request: Request) -> list:
         settings = request.settings
-        capacity = decoding.capacity_for(len(request.prompt_tokens) + settings.max_tokens + 2 * MAX_N_DRAFT)
+        # the prompt and a step's room: the buffers grow as the row decodes (`_fit`), not to max_tokens up front
+        capacity = decoding.capacity_for(len(request.prompt_tokens) + 2 * MAX_N_DRAFT)
         head = self.drafter if request.drafts else None
         key = mx.random.key(settings.seed)
         resume = self._lookup(request)
@@ -607,8 +608,20 @@ class ContinuousBatch:
             steps[key] = run
         return steps[key]
 
+    def _fit(self, width: int) -> None:
+        """KV buffers long enough for this step's `width` tokens on every row, grown to the next power of two
+        when they are not. Attention reads its whole buffer every step, so buffers sized for max_tokens up front
+        cost every step from the first: a request that leaves max_tokens out asks for the rest of the context
+        (262,144 positions for Qwen3.6-35B-A3B: GBs a row, read at every token). Growing by doubling retraces
+        the compiled step a few times over a long generation."""
+        needed = max(len(r.prompt_tokens) + len(r._decoded) for r in self._rows) + width + 1
+        if needed > self._capacity:
+            self._capacity = decoding.capacity_for(needed)
+            self._state = decoding.grow_state(self.model, self._state, self._capacity)
+
     def _decode_step(self) -> None:
         width = self._width()
+        self._fit(width)
         k = width - 1
         caps = tuple(r.cap(width) for r in self._rows)
         follows = k == 0 and "head" in self._state

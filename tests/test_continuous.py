@@ -150,3 +150,22 @@ def test_chunk_sizes_never_leap_past_what_was_timed():
         costs.observe(tokens, 0.001 + 0.0005 * tokens)
     assert costs.tokens_within(1.0) == 32  # a fit that would allow 2,000 grows by doubling
     assert costs.smallest() == (8, 0.005)
+
+
+@pytest.mark.parametrize("n_draft", [1, 3, "auto"])
+def test_buffers_grow_as_rows_decode_and_every_row_stays_its_own_run(model, n_draft):
+    """The KV buffers start at the prompt's size and double as rows decode past them (attention reads its whole
+    buffer, so buffers sized for max_tokens up front cost every step from the first); the tokens are those of
+    each row's own run, whose buffers were sized for max_tokens at once."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 40)]
+    settings = [Settings.of(max_tokens=m, n_draft=n_draft, stop_at_eos=False) for m in (150, 60)]
+    batch = ContinuousBatch(model, max_batch=2)
+    requests = [batch.submit(p, s) for p, s in zip(prompts, settings)]
+    capacities = []
+    while batch.step():
+        capacities.append(batch._capacity)
+    first = next(c for c in capacities if c)
+    assert first < continuous.decoding.capacity_for(40 + 60) and max(capacities) >= 5 + 150
+    for request, prompt, s in zip(requests, prompts, settings):
+        assert request.tokens == alone(model, prompt, s)
