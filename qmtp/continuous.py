@@ -181,9 +181,8 @@ def _power_of_two_at_most(n: int) -> int:
 def _chunk_passes(model: Model, head):
     """The trunk over a chunk of a joining prompt, and the head over its positions, compiled once per model and
     chunk size (chunks are cut to powers of two, so a prompt of any length needs at most a few traces). On a
-    dispatch-bound machine a chunk run op by op cost more than the rows' whole compiled step (a 1-token chunk
-    of the bundled model about 2.4x the step of 4 rows), so that the rows waited twice as long even for the
-    smallest chunk."""
+    dispatch-bound machine a chunk run op by op cost more than the rows' whole compiled step, so that the rows
+    waited more than twice as long even for the smallest chunk, and the chunks shrank to a token each."""
     def trunk(layers, offset, tokens):
         pre, post, _, layers = decoding.trunk_step(model, tokens, {"layers": layers, "offset": offset}, record=False)
         return pre, post, layers

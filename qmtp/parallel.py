@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import digests
-from .checkpoint import open_regular, tensor_bytes
+from .checkpoint import _pread_into, open_regular, tensor_bytes
 from .errors import CheckpointError, QmtpError
 
 # Internal names of the routed experts' stacked weights (and their quantization scales and biases), trunk and head
@@ -200,9 +200,9 @@ class Holdings:
         """Hash `raw` (the evaluated tensor as stored, or rows `rows` of a routed expert stack).
 
         On the loading thread, while the bytes are in the CPU's caches: XXH3 runs at several GB/s a core, so a
-        hash costs a few percent of a load; hashing on worker threads beside the reading cost more on a machine
-        with few cores (12% of a two-rank load of the reduced preset on 2 cores, against 4% inline), the
-        workers competing with the reading and with MLX's own threads."""
+        hash costs a few percent of a load. Hashing on worker threads beside the reading cost more on a machine
+        with few cores, the workers competing with the reading and with MLX's own threads
+        (tools/rank_digest_cost.py compares the two)."""
         view = tensor_bytes(raw)
         if rows is None:
             self._record(self.units[(name, None)], digests.of(view, self.algorithm))
@@ -243,11 +243,9 @@ class Holdings:
         fd = self.source.ckpt.fileno(info.name)  # the file whose header was read, not what its path names now
         while at < end:
             piece = buffer[:min(len(buffer), end - at)]
-            got = os.preadv(fd, [piece], at)
-            if got <= 0:
-                raise CheckpointError(f"{info.file}: tensor {info.name!r} is cut short (at byte {at})")
-            stream.update(piece[:got])
-            at += got
+            _pread_into(fd, piece, at, info)
+            stream.update(piece)
+            at += len(piece)
         return [bytes.fromhex(digest) for digest in stream.result()]
 
     def close(self) -> None:

@@ -5,19 +5,10 @@ import pytest
 
 import qmtp
 from qmtp.book import bench_batch, peer
+from test_peer import engine, model  # noqa: F401 (fixtures: the bundled model and mlx-vlm's engine for its file)
 
 needs_batch = pytest.mark.skipif(peer.batch_unavailable() is not None, reason=peer.batch_unavailable() or "")
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    return qmtp.load()
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    return peer.MlxVlmEngine(model.path, model.dtype)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from ..config import QWEN36_35B_A3B, ModelConfig
 from ..sizes import sizes
-from . import cost_model, published
+from . import bench_batch, cost_model, published
 from .inventory import markdown_table
 from .throughput import HEAD_BITS, expected_union, head_step_bytes, state_bytes, total, trunk_pass_bytes
 
@@ -337,8 +337,7 @@ def peer_sentences(report: dict, peer: str = "mlx-vlm", size: int = 4) -> str:
         theirs_ran = [n for n in rows[0]["widths"] if n != "1"]
         theirs = (f"{peer}'s at n_draft {goal['mlx_vlm_n_draft']}, the one drafting width it ran" if len(theirs_ran) == 1
                   else f"{peer}'s best (n_draft {goal['mlx_vlm_n_draft']})")
-        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in goal["at_same_width"].items()
-                       if not (n == goal["n_draft"] == goal["mlx_vlm_n_draft"]))
+        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in bench_batch.other_widths(goal).items())
         out.append(f"At {size} rows qmtp's best drafting width (n_draft {goal['n_draft']}) gave {goal['ratio']:.2f}x "
                    f"the aggregate tokens/s of {theirs}{same}")
     widest = max((n for n in rows[0]["widths"] if n != "1"), key=int, default=None)
