@@ -204,13 +204,6 @@ def _best_drafting(rows, engine, size):
     return max(drafting) if drafting else None
 
 
-def other_widths(goal: dict) -> dict:
-    """The mlx-vlm goal's width-by-width ratios, less the pair its headline ratio already is (both engines' best at
-    the same width)."""
-    return {n: ratio for n, ratio in goal["at_same_width"].items()
-            if not n == goal["n_draft"] == goal["mlx_vlm_n_draft"]}
-
-
 def goals(rows: list[dict], size: int = 4) -> dict:
     """The issue's goals at `size` rows: plain batch over singles, best drafting width over plain batch (and,
     where measured, qmtp's plain batch over mlx-lm's and qmtp's best drafting width over mlx-vlm's best), each
@@ -273,6 +266,8 @@ def table(report: dict) -> str:
         verdict = "met" if goal["met"] else f"missed by {goal['goal'] / goal['ratio']:.2f}x"
         widths = ""
         if "mlx_vlm_n_draft" in goal:
+            from .under_load import other_widths
+
             widths = f" (n_draft {goal['n_draft']} over {goal['mlx_vlm_n_draft']}" + "".join(
                 f"; at n_draft {n} both {ratio:.2f}x" for n, ratio in other_widths(goal).items()) + ")"
         lines.append(f"{name}: {goal['ratio']:.2f}x{widths} (goal {goal['goal']}x) {verdict}")

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from ..config import QWEN36_35B_A3B, ModelConfig
 from ..sizes import sizes
-from . import bench_batch, cost_model, published
+from . import cost_model, published
 from .inventory import markdown_table
 from .throughput import HEAD_BITS, expected_union, head_step_bytes, state_bytes, total, trunk_pass_bytes
 
@@ -295,6 +295,13 @@ def peer_rows(report: dict, peer: str = "mlx-vlm") -> list[dict]:
     return out
 
 
+def other_widths(goal: dict) -> dict:
+    """The mlx-vlm goal of `bench_batch.goals`: its width-by-width ratios, less the pair its headline ratio already
+    is (both engines' best at the same width)."""
+    return {n: ratio for n, ratio in goal["at_same_width"].items()
+            if not n == goal["n_draft"] == goal["mlx_vlm_n_draft"]}
+
+
 def _peer_missing(report: dict, peer: str) -> str:
     notes = [n for n in report.get("notes", ()) if n.startswith(f"{peer}: not run")]
     return notes[0] if notes else f"{peer}: not run (the report did not ask for it)"
@@ -337,7 +344,7 @@ def peer_sentences(report: dict, peer: str = "mlx-vlm", size: int = 4) -> str:
         theirs_ran = [n for n in rows[0]["widths"] if n != "1"]
         theirs = (f"{peer}'s at n_draft {goal['mlx_vlm_n_draft']}, the one drafting width it ran" if len(theirs_ran) == 1
                   else f"{peer}'s best (n_draft {goal['mlx_vlm_n_draft']})")
-        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in bench_batch.other_widths(goal).items())
+        same = "".join(f", {ratio:.2f}x at n_draft {n} both" for n, ratio in other_widths(goal).items())
         out.append(f"At {size} rows qmtp's best drafting width (n_draft {goal['n_draft']}) gave {goal['ratio']:.2f}x "
                    f"the aggregate tokens/s of {theirs}{same}")
     widest = max((n for n in rows[0]["widths"] if n != "1"), key=int, default=None)
