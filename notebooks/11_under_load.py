@@ -201,45 +201,52 @@ glue("peer_sentences", under_load.peer_sentences(report), display=False)
 # %% [markdown]
 # ### A long prompt joining running rows
 #
-# A request joins the batch at a step boundary, its prompt prefilled a chunk per step beside the running rows'
-# step, each chunk sized to take about 0.8 of a step (`qmtp.continuous`, fitted on the chunks' measured times):
-# the rows wait for the chunk as well as for their own step. Here 4 rows decode, then a 2,000-token prompt
-# joins; every step is timed until the new row's first token (`bench_batch.join_stall`), at n_draft 1 and 3.
+# A request joins the batch at a step boundary. Its prompt can be read in chunks of its own between the rows'
+# steps, each sized to take about 0.8 of a step (`qmtp.continuous`, fitted on the chunks' measured times), so
+# the rows wait for the chunk as well as for their own step; or as one more row of the rows' own pass, reading
+# as many of its tokens a step as the step is wide, its drafts replaced by the prompt's next tokens and all of
+# them kept. The batch chooses (`join="auto"`): a row when a chunk within its budget would read fewer than 4
+# times the step's width, since a chunk's fixed cost then eats the budget. Here 4 rows decode, then a
+# 2,000-token prompt joins; every step is timed until the new row's first token (`bench_batch.join_stall`),
+# at n_draft 1 and 3, each way in turn.
 
 # %%
-stalls = [bench_batch.join_stall(model, rows=4, prompt_tokens=2000, n_draft=n) for n in (1, 3)]
+stalls = [bench_batch.join_stall(model, rows=4, prompt_tokens=2000, n_draft=n, join=join)
+          for n in (1, 3) for join in ("chunks", "auto")]
 Markdown(under_load.join_table(stalls))
 
 # %% tags=["remove-cell"]
-plain_join, draft_join = stalls
-glue("stall_plain_median", plain_join["median_while_joining"] / plain_join["step_seconds"], display=False)
-glue("stall_plain_p90", plain_join["p90_over_step"], display=False)
-glue("stall_plain", plain_join["longest_over_step"], display=False)
-glue("stall_plain_share", plain_join["share_over_twice"] * 100, display=False)
-glue("stall_draft_p90", draft_join["p90_over_step"], display=False)
-glue("stall_draft", draft_join["longest_over_step"], display=False)
-glue("stall_tokens_per_chunk", plain_join["prompt_tokens"] / plain_join["steps_while_joining"], display=False)
-smallest = plain_join["smallest_chunk_tokens"]
+chunk_plain, row_plain, chunk_draft, row_draft = stalls
+for name, run in (("chunk_plain", chunk_plain), ("row_plain", row_plain), ("chunk_draft", chunk_draft),
+                  ("row_draft", row_draft)):
+    glue(f"{name}_median", run["median_while_joining"] / run["step_seconds"], display=False)
+    glue(f"{name}_p90", run["p90_over_step"], display=False)
+    glue(f"{name}_longest", run["longest_over_step"], display=False)
+    glue(f"{name}_prefill", run["prefill_seconds"], display=False)
+smallest = chunk_plain["smallest_chunk_tokens"]
 glue("stall_smallest_tokens", f"{smallest} token{'' if smallest == 1 else 's'}", display=False)
-glue("stall_smallest_over_step", plain_join["smallest_chunk_seconds"] / plain_join["step_seconds"], display=False)
-glue("stall_verdict", "met at both widths" if max(x["longest_over_step"] for x in stalls) <= 2 else
-     "met at neither width" if min(x["longest_over_step"] for x in stalls) > 2 else
-     "met at one width only", display=False)
+glue("stall_smallest_over_step", chunk_plain["smallest_chunk_seconds"] / chunk_plain["step_seconds"], display=False)
+glue("row_mode_chosen", "read as a row at both widths" if row_plain["steps_as_a_row"] and row_draft["steps_as_a_row"]
+     else "not read as a row at every width", display=False)
+glue("row_goal", under_load.join_verdict([row_plain, row_draft]), display=False)
 
 # %% [markdown]
-# The goal was at most twice the step between a running row's tokens for every step, here
-# {glue:text}`stall_verdict`. At n_draft 1 the median step while the prompt joined took
-# {glue:text}`stall_plain_median:.2f`x the rows' step alone, the 90th percentile {glue:text}`stall_plain_p90:.2f`x,
-# the longest {glue:text}`stall_plain:.2f`x, and {glue:text}`stall_plain_share:.0f`% of the steps took more than
-# twice; at n_draft 3, whose step is longer, the 90th percentile was {glue:text}`stall_draft_p90:.2f`x and the
-# longest {glue:text}`stall_draft:.2f`x. The cause is a chunk's fixed cost: the chunk is a pass of its own over
-# every layer, and the smallest the batch ran ({glue:text}`stall_smallest_tokens`) took
-# {glue:text}`stall_smallest_over_step:.2f`x the 4 rows' plain step, whatever its tokens. A step with a chunk costs
-# the rows' step and that floor at least, so the median sits near twice and the machine's noise pushes many steps
-# over; the prompt went in {glue:text}`stall_tokens_per_chunk:.1f` tokens a chunk on average. Keeping under twice
-# at this size would take the chunk inside the rows' own pass (one forward over the rows' tokens and the chunk's,
-# as vLLM's chunked prefill runs it), which this engine does not do; a wider step (drafting, more rows, a larger
-# model) leaves the chunk more room.
+# The goal was at most twice the step between a running row's tokens. In chunks the median step while the
+# prompt joined took {glue:text}`chunk_plain_median:.2f`x the rows' step alone at n_draft 1 and
+# {glue:text}`chunk_draft_median:.2f`x at n_draft 3, the 90th percentile {glue:text}`chunk_plain_p90:.2f`x and
+# {glue:text}`chunk_draft_p90:.2f`x. The cause is a chunk's fixed cost: it is a pass of its own over every
+# layer, and the smallest the batch ran ({glue:text}`stall_smallest_tokens`) took
+# {glue:text}`stall_smallest_over_step:.2f`x the 4 rows' plain step, whatever its tokens. With the choice left to
+# the batch, the prompt was {glue:text}`row_mode_chosen`: the median {glue:text}`row_plain_median:.2f`x and
+# {glue:text}`row_draft_median:.2f`x, the 90th percentile {glue:text}`row_plain_p90:.2f`x and
+# {glue:text}`row_draft_p90:.2f`x, so the goal is {glue:text}`row_goal`. A fifth row costs the pass little, but
+# not nothing: the rows' buffers grow with the prompt as it is read (attention reads the whole buffer), and the
+# longest steps are the few where the step is compiled again (a new row, a longer buffer). The price is paid
+# by the joining request: its prompt is read a step's width at a time, {glue:text}`row_plain_prefill:.1f` s
+# and {glue:text}`row_draft_prefill:.1f` s to its first token against {glue:text}`chunk_plain_prefill:.1f` s
+# and {glue:text}`chunk_draft_prefill:.1f` s in chunks. On a machine where a chunk of hundreds of tokens costs
+# about a step (a GPU, a larger model), the chunks' fixed cost is a small share and the batch keeps to
+# chunks.
 
 # %% mystnb={"figure": {"caption": "The best drafting width's aggregate tokens/s over plain decoding at the same batch. Lines: the cost model on four machines calibrated by their published plain figures, every token paying c (solid), and the M3 Ultra with a row paying r (dashed). Black squares: measured here on the tiny model. Above 1, drafting pays.", "name": "fig-gain-batch"}}
 fig = under_load.gain_figure(report)

@@ -33,6 +33,10 @@ PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, be
 CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
 MIN_CHUNK, MAX_CHUNK = 1, 1024
 IDLE_CHUNK = 1024  # with no row running, nobody waits: a prompt is prefilled in big pieces
+# A joining prompt rides in the rows' own pass (a row that reads the prompt's next tokens, width a step) when
+# a chunk of its own within the step's budget would read fewer than this many times the width: a pass's fixed
+# cost (dispatch, on a small model or a CPU) then dominates a chunk, and a row costs the step far less.
+FEED_OVER_CHUNK = 4
 
 
 class Request:
@@ -61,6 +65,8 @@ class Request:
         self._streamed = 0
         self._searched = 0  # where the next search for a stop string starts in the text
         self._first_at = None
+        self._feed_at: int | None = None  # while the row reads its prompt in the rows' pass: the next position
+        self._prefill_started: float | None = None
 
     def cancel(self) -> None:
         """The row leaves at the next step boundary (thread-safe)."""
@@ -135,7 +141,7 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
     (and the head over its positions but the last, when it drafts); from `resume`'s state when given (only the
     tokens after the ones it holds are run). A chunk ends at `mark` when it is inside the prompt, and
     `on_mark(state)` gets the state there (the head has read position mark - 1 with the token at mark).
-    Returns (state, the trunk state at the last position [1, 1, H], the first token, whether its logits were
+    Yields (the tokens done, the state, the trunk state at the last position done). Returns (state, the trunk state at the last position [1, 1, H], the first token, whether its logits were
     finite)."""
     state, at, length = _resumed(model, head, tokens, capacity, resume), 0, len(tokens)
     at = len(resume.ids) if resume is not None else 0
@@ -158,7 +164,7 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
             mx.eval(state)
             if at == mark and on_mark is not None:
                 on_mark({**state, "head_offset": mx.array(at, mx.int32)} if head is not None else dict(state))
-            yield at
+            yield at, state, h[:, -1:]
     if head is not None:
         state["head_offset"] = mx.array(length - 1, mx.int32)
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
@@ -348,8 +354,8 @@ class ChunkCosts:
 class _Joining:
     """A request being prefilled: its prefill generator, the tokens done, the seconds spent, its seed's key."""
 
-    def __init__(self, request: Request, prefill, key: mx.array):
-        self.request, self.prefill, self.key = request, prefill, key
+    def __init__(self, request: Request, prefill, key: mx.array, mark: int = 0):
+        self.request, self.prefill, self.key, self.mark = request, prefill, key, mark
         self.done, self.seconds = 0, 0.0
 
 
@@ -358,9 +364,13 @@ class ContinuousBatch:
 
     max_batch: rows decoding at once (more requests wait). cache_entries: finished rows' states kept for a
     later request whose prompt continues one of them (`qmtp.continuous` docs: a conversation's next turn),
-    the least recently used evicted first."""
+    the least recently used evicted first. join: how a prompt joins running rows: "auto" (the cheaper way,
+    measured), "chunks" (passes of its own between the rows' steps) or "rows" (as a row of their pass)."""
 
-    def __init__(self, model: Model, max_batch: int = 8, engine: Engine = DEFAULT_ENGINE, cache_entries: int = 16):
+    JOINS = ("auto", "chunks", "rows")
+
+    def __init__(self, model: Model, max_batch: int = 8, engine: Engine = DEFAULT_ENGINE, cache_entries: int = 16,
+                 join: str = "auto"):
         if not isinstance(model, Model):
             raise UsageError(f"model: give a qmtp Model, not {type(model).__name__}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -375,6 +385,9 @@ class ContinuousBatch:
         if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
             raise UsageError(f"cache_entries={cache_entries!r:.40} must be an integer >= 0")
         self.cache_entries = cache_entries
+        if join not in self.JOINS:
+            raise UsageError(f"join={join!r:.40}: use one of {', '.join(self.JOINS)}")
+        self.join = join
         self._cache: OrderedDict[tuple[int, ...], _Held] = OrderedDict()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -393,7 +406,7 @@ class ContinuousBatch:
         tokenizer = model.tokenizer
         self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
-                         "generated": 0, "prefilled_tokens": 0}
+                         "generated": 0, "prefilled_tokens": 0, "prompt_rows_stepped": 0}
 
     @property
     def active(self) -> int:
@@ -431,7 +444,8 @@ class ContinuousBatch:
             raise UsageError("prompt_tokens: give a list of integer token ids")
         _validate(self.model, prompt_tokens, settings)
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
-        return Request(prompt_tokens, settings, on_tokens, decoding.strategy_for(sampler), _end_set(eos))
+        return Request(prompt_tokens, settings, on_tokens, decoding.strategy_for(sampler, self.engine.acceptance),
+                       _end_set(eos))
 
     def run(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""
@@ -455,6 +469,8 @@ class ContinuousBatch:
             with self._lock:
                 while self._queue and len(self._rows) + len(self._joining) < self.max_batch:
                     self._joining.append(self._start_prefill(self._queue.popleft()))
+            if self._rows and all(r._feed_at is not None for r in self._rows):
+                self._unfeed()
             self._budget = None
             self._budget = self._chunk()
             while self._joining and self._budget > 0:  # short prompts join together, a long one in chunks
@@ -509,7 +525,7 @@ class ContinuousBatch:
 
         prefill = _prefill_row(self.model, head, prompt, capacity, request.strategy, self.engine.hidden, key,
                                self._chunk, resume, mark, hold_turn_start if mark and self.cache_entries else None)
-        return _Joining(request, prefill, key)
+        return _Joining(request, prefill, key, mark if self.cache_entries else 0)
 
     def _prefill_chunk(self) -> int:
         """One chunk of the first joining prompt (at most the step's budget of tokens); a prompt done joins the
@@ -518,7 +534,7 @@ class ContinuousBatch:
         request = joining.request
         started = time.perf_counter()
         try:
-            done, result = next(joining.prefill), None
+            (done, partial, h_partial), result = next(joining.prefill), None
         except StopIteration as finished:
             done, result = len(request.prompt_tokens), finished.value
         except Exception as error:  # this request fails, not the rows beside it (nor the engine thread)
@@ -533,6 +549,9 @@ class ContinuousBatch:
             self.chunk_costs.observe(ran, seconds)
         joining.done = done
         if result is None:
+            if self._feeds(request):
+                self._joining.pop(0)
+                self._start_feeding(joining, partial, h_partial, done)
             return ran
         self._joining.pop(0)
         request.stats.prefill_seconds = joining.seconds
@@ -551,6 +570,107 @@ class ContinuousBatch:
             key = joining.key if by_position else mx.random.split(joining.key)[1]
             self._insert(request, state, h_last, first, key)
         return ran
+
+    # ---- a joining prompt as a row of the rows' own pass ------------------------------------------------------
+    def _feeds(self, request: Request) -> bool:
+        """Whether a joining prompt, one chunk in, goes on as a row of the rows' pass (reading `width` of its
+        tokens a step) rather than in chunks of its own: when rows decode and a chunk within the step's budget
+        would read fewer than FEED_OVER_CHUNK times the width. On this project's CPU a one-token chunk costs
+        about 0.8 of four rows' whole step (its fixed cost), a fifth row about 0.1 of it. A penalised prompt
+        goes on in chunks: its history starts at its first generated token, which a row's step would not
+        know."""
+        if (self.join == "chunks" or request.strategy.history or self._step_seconds is None
+                or not any(r._feed_at is None for r in self._rows)):
+            return False
+        if self.join == "rows":
+            return True
+        tokens = self.chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
+        width = self._last[0].shape[1] if self._last is not None else 1
+        return tokens is not None and tokens < FEED_OVER_CHUNK * width
+
+    def _start_feeding(self, joining: _Joining, state: dict, h_last: mx.array, at: int) -> None:
+        """A joining prompt, `at` tokens read, as the batch's last row, its pending token the prompt's next. Its
+        head has read position at - 1 with token at; it reads it again in the first step (the same entry)."""
+        request = joining.request
+        state = decoding.cut_state(self.model, state, decoding.capacity_for(at + 2 * MAX_N_DRAFT))
+        if "head" in state:
+            state["head_offset"] = mx.array(at - 1, mx.int32)
+        request._feed_at, request._mark = at, joining.mark if joining.mark > at else 0
+        request._prefill_started = time.perf_counter() - joining.seconds
+        by_position = getattr(request.strategy, "by_position", False)
+        request._seed_key = joining.key
+        request._first_key = request.strategy.key_at(joining.key, len(request.prompt_tokens))
+        request._after_key = joining.key if by_position else mx.random.split(joining.key)[1]
+        self._insert(request, state, h_last, request.prompt_tokens[at], joining.key)
+
+    def _feed(self, width: int) -> dict:
+        """What `decoding.step_rows` reads of the prompts' rows this step (zeros for the others, unread)."""
+        tokens, keep, following, first_keys, after_keys = [], [], [], [], []
+        unread = self._keys[0]
+        for request in self._rows:
+            at = request._feed_at
+            if at is None:
+                tokens.append([0] * width), keep.append(1), following.append(0)
+                first_keys.append(unread), after_keys.append(unread)
+                continue
+            prompt = request.prompt_tokens
+            end = min(len(prompt), at + width)
+            if at < request._mark < end:  # the turn's start is held for the conversation's next turn
+                end = request._mark
+            tokens.append(prompt[at:end] + [0] * (width - (end - at)))
+            keep.append(end - at)
+            following.append(prompt[end] if end < len(prompt) else -1)
+            first_keys.append(request._first_key)
+            after_keys.append(request._seed_key if end < len(prompt) else request._after_key)
+        return {"tokens": mx.array(tokens, mx.int32), "keep": mx.array(keep, mx.int32),
+                "next": mx.array(following, mx.int32), "first_key": mx.stack(first_keys),
+                "after_key": mx.stack(after_keys)}
+
+    def _fed(self, b: int, request: Request, line: list[int], width: int) -> bool:
+        """A prompt's row's share of a step: its position moves on; at its last piece, its first token (whether
+        the row is done)."""
+        keep, finite, first = line[width + 1], line[width + 2], line[width]
+        at, prompt = request._feed_at + keep, request.prompt_tokens
+        if at < len(prompt):
+            request._feed_at = at
+            if at == request._mark:
+                self._hold(b, tuple(prompt[:at]))
+            return False
+        request._feed_at = None
+        request.stats.prefill_seconds = time.perf_counter() - request._prefill_started
+        self.counters["prefilled_tokens"] += len(prompt)
+        if finite < keep:
+            request._finish("error", _nonfinite(self.model, len(prompt) - 1, prompt[-1], "for the prompt "))
+            return True
+        self.counters["generated"] += 1
+        if request._take(self.model, [first]):
+            request._finish()
+            return True
+        return False
+
+    def _unfeed(self) -> None:
+        """No row decodes any more: the prompts' rows go back to chunks of their own (nobody waits on them)."""
+        joinings = []
+        for b, request in enumerate(self._rows):
+            at = request._feed_at
+            held = self._held(b, tuple(request.prompt_tokens[:at]))
+            capacity = decoding.capacity_for(len(request.prompt_tokens) + 2 * MAX_N_DRAFT)
+            prefill = _prefill_row(self.model, self.drafter if request.drafts else None, request.prompt_tokens,
+                                   capacity, request.strategy, self.engine.hidden, request._seed_key, self._chunk,
+                                   held, request._mark, self._turn_holder(request) if request._mark else None)
+            joining = _Joining(request, prefill, request._seed_key, request._mark)
+            joining.done, joining.seconds = at, time.perf_counter() - request._prefill_started
+            request._feed_at = None
+            joinings.append(joining)
+        self._remove(list(range(len(self._rows))))
+        self._joining[:0] = joinings
+
+    def _turn_holder(self, request: Request):
+        prompt, mark = request.prompt_tokens, request._mark
+
+        def hold_turn_start(state: dict) -> None:
+            self._put(_Held(tuple(prompt[:mark]), state, None, request.drafts, read_next=prompt[mark]))
+        return hold_turn_start
 
     def _insert(self, request: Request, state: dict, h_last: mx.array, first: int, key: mx.array) -> None:
         """A prefilled request as the batch's last row."""
@@ -608,26 +728,28 @@ class ContinuousBatch:
     def _width(self) -> int:
         """This step's width: the widest fixed n_draft among the rows, or the planner's choice with an "auto"
         row (at least that widest)."""
-        fixed = max((r.settings.n_draft for r in self._rows if r.settings.n_draft != "auto"), default=1)
-        if not any(r.settings.n_draft == "auto" for r in self._rows) or "head" not in self._state:
+        decoding_rows = [r for r in self._rows if r._feed_at is None]  # a prompt's row reads what the step gives
+        fixed = max((r.settings.n_draft for r in decoding_rows if r.settings.n_draft != "auto"), default=1)
+        if not any(r.settings.n_draft == "auto" for r in decoding_rows) or "head" not in self._state:
             return fixed if "head" in self._state else 1
         if self._planner is None:
             self._planner = DraftPlanner(learned=adaptive.StepCosts())
         self._planner.learned = self._costs.setdefault(len(self._rows), adaptive.StepCosts())
         return max(fixed, self._planner.choose())
 
-    def _compiled(self, k: int, strategies: tuple, caps: tuple, follows: bool):
+    def _compiled(self, k: int, strategies: tuple, caps: tuple, follows: bool, feeding: tuple = ()):
         """`decoding.step_rows` for these rows' strategies and caps, compiled once and kept with the model."""
         steps = self.model.__dict__.setdefault("_batch_steps", {})
         head = self.drafter if (k or follows) else None
+        feeding = feeding if any(feeding) else ()
         key = (id(head), k, tuple(s.key for s in strategies), caps, self.engine.hidden, self.engine.chain,
-               follows, self.engine.compiled)
+               follows, self.engine.compiled, feeding)
         if key not in steps:
             engine = self.engine
 
-            def run(state, last, keys):
+            def run(state, last, keys, *feed):
                 return decoding.step_rows(self.model, head, k, strategies, caps, engine.hidden, state, last, keys,
-                                          engine.chain, follows)
+                                          engine.chain, follows, feeding, *feed)
 
             if COMPILE and engine.compiled:
                 implicit = [self.model.state] + ([head.state] if head is not None and head is not self.model.mtp
@@ -642,7 +764,8 @@ class ContinuousBatch:
         cost every step from the first: a request that leaves max_tokens out asks for the rest of the context
         (262,144 positions for Qwen3.6-35B-A3B: GBs a row, read at every token). Growing by doubling retraces
         the compiled step a few times over a long generation."""
-        needed = max(len(r.prompt_tokens) + len(r._decoded) for r in self._rows) + width + 1
+        needed = max(len(r.prompt_tokens) + len(r._decoded) if r._feed_at is None else r._feed_at
+                     for r in self._rows) + width + 1
         if needed > self._capacity:
             self._capacity = decoding.capacity_for(needed)
             self._state = decoding.grow_state(self.model, self._state, self._capacity)
@@ -651,13 +774,15 @@ class ContinuousBatch:
         width = self._width()
         self._fit(width)
         k = width - 1
-        caps = tuple(r.cap(width) for r in self._rows)
+        feeding = tuple(r._feed_at is not None for r in self._rows)
+        caps = tuple(0 if fed else r.cap(width) for r, fed in zip(self._rows, feeding))
         follows = k == 0 and "head" in self._state
-        step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows)
+        step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows, feeding)
+        feed = (self._feed(width),) if any(feeding) else ()
         started = time.perf_counter()
         try:
             with self._timer("step"):
-                self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys)
+                self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys, *feed)
                 report = report.tolist()
         except Exception as error:  # a step is shared: the rows in it fail, the engine goes on with new ones
             for request in self._rows:
@@ -675,21 +800,27 @@ class ContinuousBatch:
         if self._planner is not None and any(r.settings.n_draft == "auto" for r in self._rows):
             self._planner.observe_cost(width, seconds)
         self.counters["steps"] += 1
+        self.counters["prompt_rows_stepped"] += sum(r._feed_at is not None for r in self._rows)
         self.counters["rows_stepped"] += rows
         self.counters["max_rows_in_a_step"] = max(self.counters["max_rows_in_a_step"], rows)
         finished = [b for b, (request, line) in enumerate(zip(self._rows, report))
-                    if self._advance(request, line, width, caps[b])]
+                    if (self._fed(b, request, line, width) if request._feed_at is not None
+                        else self._advance(request, line, width, caps[b]))]
         for b in finished:
             if self._rows[b].error is None:
                 self._hold(b)
         self._remove(finished)
 
     # ---- the prefix cache ---------------------------------------------------------------------------------
-    def _hold(self, b: int) -> None:
-        """Keep row b's state (it just finished) for a later prompt that continues its ids; the least recently
-        used entry goes when more than `cache_entries` are held."""
+    def _hold(self, b: int, ids: tuple[int, ...] | None = None) -> None:
+        """Keep row b's state (it just finished, or a prompt's row reached `ids`) for a later prompt that
+        continues its ids; the least recently used entry goes when more than `cache_entries` are held."""
         if self.cache_entries < 1:
             return
+        self._put(self._held(b, ids))
+
+    def _held(self, b: int, ids: tuple[int, ...] | None = None) -> _Held:
+        """Row b's state as a held one: its ids (by default its prompt and tokens but the last), batch 1."""
         request = self._rows[b]
         index = mx.array([b], mx.int32)
         state = _rows_of(self._state, index)
@@ -697,8 +828,9 @@ class ContinuousBatch:
         state["offset"] = state["offset"][0]
         if "head" in state:
             state["head_offset"] = state["head_offset"][0]
-        ids = tuple(request.prompt_tokens + request._decoded[:-1])
-        self._put(_Held(ids, state, _rows_of(self._last, index), request.drafts))
+        if ids is None:
+            ids = tuple(request.prompt_tokens + request._decoded[:-1])
+        return _Held(ids, state, _rows_of(self._last, index), request.drafts)
 
     def _put(self, held: _Held) -> None:
         self._cache[held.ids] = held

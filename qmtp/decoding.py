@@ -82,6 +82,20 @@ def grow_state(model, state: dict, capacity: int) -> dict:
     return out
 
 
+def cut_state(model, state: dict, capacity: int) -> dict:
+    """The state with KV buffers cut to their first `capacity` positions (those it holds must fit): a prompt
+    prefilled into buffers for its whole length that goes on as a row of a batch, whose buffers grow as its
+    rows need (attention reads the whole buffer)."""
+    def cut(buffers):
+        return tuple(b[:, :, :capacity] for b in buffers)
+
+    layers = [cut(s) if layer.kind != LINEAR else s for layer, s in zip(model.layers, state["layers"])]
+    out = {**state, "layers": layers}
+    if "head" in state:
+        out["head"] = cut(state["head"])
+    return out
+
+
 # ---- the trunk and the head over the state ------------------------------------------------------------------
 def trunk_step(model, tokens: mx.array, state: dict, record: bool):
     """The trunk over tokens [1, T] from `state`: (its output before and after the final norm [1, T, H], the
@@ -547,10 +561,28 @@ def draft_rows(model, head, k: int, strategies, caps, state: dict, last, draft_k
     return mx.stack(drafts, axis=1), dists, mx.stack(finite, axis=1), buffers, offset
 
 
+def _fed_row(strategy, logits: mx.array, feed: dict, b: int):
+    """A prompt's row in a step (`step_rows`' feeding): (accepted [1]: all its tokens but the first, its next
+    token [1], whether the logits at its last position are finite). At its last piece the next token is the
+    first generated one, picked from those logits with its first key, as `continuous._prefill_row` picks it."""
+    kept = feed["keep"][b]
+    at_last = mx.take(logits, (kept - 1).reshape(1), axis=0)  # [1, V]
+    first, _ = strategy.pick(at_last, feed["first_key"][b])
+    given = feed["next"][b]
+    return ((kept - 1).reshape(1), mx.where(given >= 0, given, first[0]).reshape(1).astype(mx.int32),
+            mx.isfinite(at_last).all())
+
+
 def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, last, keys: mx.array,
-              chain: str = "post", follows: bool = False):
+              chain: str = "post", follows: bool = False, feeding: tuple = (), feed: dict | None = None):
     """`step` for a batch of rows: (new state, what the next step needs, the report [B, 4 + 2k] (per row
-    [pending, d_1..d_k, next, keep, finite, draft_finite_1..k]), experts per layer, new keys [B, 2])."""
+    [pending, d_1..d_k, next, keep, finite, draft_finite_1..k]), experts per layer, new keys [B, 2]).
+
+    feeding[b] true: row b is a prompt still being read (`qmtp.continuous`: a joining prompt rides in the rows'
+    pass). Its tokens are feed["tokens"][b] (the prompt's next ones, its pending first) and all
+    feed["keep"][b] of them are kept; its next token is feed["next"][b] (the prompt's following token) or, at
+    -1 (its last piece), the first generated token, picked as a prefill picks it: from the logits at its last
+    prompt position with feed["first_key"][b]. Its key becomes feed["after_key"][b]."""
     split = _row_keys(strategies, keys)
     _, next_tokens, keep = last
     pending = mx.take_along_axis(next_tokens, (keep - 1)[:, None], axis=1)  # [B, 1]
@@ -573,12 +605,20 @@ def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, l
             _, _, new_state["head"] = head_states_rows(model, head, hidden_in, after_in, state["head"],
                                                        state["head_offset"])
             new_state["head_offset"] = state["head_offset"] + keep_in
+    if any(feeding):
+        tokens = mx.where(mx.array(feeding)[:, None], feed["tokens"], tokens)
     pre, post, experts, layers = trunk_step_rows(model, tokens, state, record=k > 0)
     logits = model.logits(post).astype(mx.float32)  # [B, k + 1, V]
     if history:  # position j of row b follows its pending, d_1..d_j
         counts = state["counts"][:, None] + mx.cumsum(one_hot(tokens, vocab).reshape(tokens.shape + (vocab,)), axis=1)
-    accepted, next_token = [], []
+    accepted, next_token, fed_finite = [], [], []
     for b, strategy in enumerate(strategies):
+        if b < len(feeding) and feeding[b]:
+            a, t, f = _fed_row(strategy, logits[b], feed, b)
+            accepted.append(a)
+            next_token.append(t)
+            fed_finite.append(f)
+            continue
         where = {"first": state["offset"][b] + 1} if _by_position(strategy) else {}
         if strategy.history:
             where["history"] = (counts[b, :caps[b] + 1], state["prompt_seen"][b])
@@ -596,7 +636,12 @@ def step_rows(model, head, k: int, strategies, caps, hidden: str, state: dict, l
     after = mx.concatenate([tokens[:, 1:], nxt], axis=1)
     after = mx.where(mx.arange(n)[None] == (keep - 1)[:, None], nxt, after)
     finite = mx.cumprod(mx.isfinite(logits).all(axis=-1).astype(mx.int32), axis=1).sum(axis=1)
+    if any(feeding):  # a prompt's row: as a prefill, only its last position's logits are checked (its last piece)
+        fed = iter(fed_finite)
+        finite = mx.concatenate([mx.where(next(fed), keep[b], 0).reshape(1) if b < len(feeding) and feeding[b]
+                                 else finite[b:b + 1] for b in range(len(strategies))])
     report = mx.concatenate([tokens, nxt, keep[:, None].astype(mx.int32), finite[:, None].astype(mx.int32),
                              drafts_finite.astype(mx.int32)], axis=1)
-    new_keys = mx.stack([s[0] for s in split])
+    new_keys = mx.stack([feed["after_key"][b] if b < len(feeding) and feeding[b] else s[0]
+                         for b, s in enumerate(split)])
     return new_state, (post if hidden == "post" else pre, after, keep), report, experts, new_keys

@@ -59,7 +59,7 @@ def test_a_long_prompt_joins_in_chunks_without_changing_any_row(model, monkeypat
     monkeypatch.setattr(continuous, "PREFILL_CHUNK", 8)
     rng = np.random.default_rng(2)
     long_prompt, short = rng.integers(0, 97, 100).tolist(), [9, 8, 7]
-    batch = ContinuousBatch(model)
+    batch = ContinuousBatch(model, join="chunks")
     first = batch.submit(short, Settings.of(max_tokens=30, n_draft=2))
     batch.step()
     joining = batch.submit(long_prompt, Settings.of(max_tokens=8, n_draft=3))
@@ -169,3 +169,89 @@ def test_buffers_grow_as_rows_decode_and_every_row_stays_its_own_run(model, n_dr
     assert first < continuous.decoding.capacity_for(40 + 60) and max(capacities) >= 5 + 150
     for request, prompt, s in zip(requests, prompts, settings):
         assert request.tokens == alone(model, prompt, s)
+
+
+def _join_as_row(model, running, joining, join="rows", max_batch=4, cache_entries=16):
+    """Rows `running` (prompt, settings) decode a few steps, then `joining` prompts join as rows of their pass."""
+    batch = ContinuousBatch(model, max_batch=max_batch, join=join, cache_entries=cache_entries)
+    rows = [batch.submit(p, s) for p, s in running]
+    for _ in range(2):
+        batch.step()
+    joined = [batch.submit(p, s) for p, s in joining]
+    while batch.step():
+        pass
+    return batch, rows, joined
+
+
+@pytest.mark.parametrize("n_draft", [1, 3, "auto"])
+def test_a_prompt_read_as_a_row_of_the_rows_pass_changes_no_row(model, n_draft):
+    """A joining prompt reads its tokens as a row of the running rows' pass (its drafts replaced by the prompt's
+    next tokens, all kept, the last piece shorter than the width): every row, and the joining one, equal their
+    own runs."""
+    rng = np.random.default_rng(11)
+    running = [(rng.integers(0, 97, n).tolist(), Settings.of(max_tokens=80, n_draft=d, stop_at_eos=False))
+               for n, d in ((4, n_draft), (9, 2))]
+    joining = [(rng.integers(0, 97, n).tolist(), Settings.of(max_tokens=12, n_draft=d))
+               for n, d in ((61, n_draft), (30, 1))]
+    batch, rows, joined = _join_as_row(model, running, joining)
+    assert batch.counters["prompt_rows_stepped"] >= 2 * 8  # both read most of their prompts in the rows' pass
+    for request, (prompt, settings) in zip(rows + joined, running + joining):
+        assert request.finish_reason in ("length", "end") and request.tokens == alone(model, prompt, settings)
+
+
+@pytest.mark.parametrize("acceptance", ["coupled", "rejection"])
+def test_a_seeded_prompt_read_as_a_row_is_its_own_seeded_run(small_vocab_model, acceptance):
+    """Its first token is picked from its last position's logits with its seed's key, as its own prefill
+    picks it, and its key goes on as its own run's: the same tokens whatever else is in the batch."""
+    engine = qmtp.Engine(acceptance=acceptance)
+    rng = np.random.default_rng(12)
+    prompt = rng.integers(0, 4, 37).tolist()
+    settings = Settings.of(max_tokens=15, n_draft=3, temperature=1.3, seed=21)
+    batch = ContinuousBatch(small_vocab_model, max_batch=3, engine=engine, join="rows")
+    other = batch.submit([1, 2, 3], Settings.of(max_tokens=60, n_draft=2, temperature=0.9, seed=4,
+                                                stop_at_eos=False))
+    batch.step(), batch.step()
+    joined = batch.submit(prompt, settings)
+    while batch.step():
+        pass
+    assert batch.counters["prompt_rows_stepped"] > 0
+    assert joined.tokens == qmtp.decode(small_vocab_model, prompt, settings, engine).tokens
+    assert other.tokens == qmtp.decode(small_vocab_model, [1, 2, 3], other.settings, engine).tokens
+
+
+def test_a_prompt_row_goes_back_to_chunks_when_no_row_decodes(model):
+    """The only decoding row finishes while a long prompt is still being read in its pass: nobody waits any
+    more, so the rest is read in chunks of its own (from the row's state), and it is still its own run."""
+    rng = np.random.default_rng(13)
+    running = [([5, 6], Settings.of(max_tokens=6, n_draft=2, stop_at_eos=False))]
+    joining = [(rng.integers(0, 97, 300).tolist(), Settings.of(max_tokens=10, n_draft=3))]
+    batch, rows, joined = _join_as_row(model, running, joining)
+    assert 0 < batch.counters["prompt_rows_stepped"] < 300 // 4
+    for request, (prompt, settings) in zip(rows + joined, running + joining):
+        assert request.tokens == alone(model, prompt, settings)
+
+
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_a_chat_read_as_a_row_holds_its_turn_start_for_the_next_turn(n_draft):
+    bundled = qmtp.load()
+    tokenizer = bundled.tokenizer
+    settings = Settings.of(max_tokens=12, n_draft=n_draft)
+    messages = [{"role": "user", "content": "Tell me about the cat and the dog and the bird."}]
+    first_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, enable_thinking=True))
+    busy = ([7, 8, 9], Settings.of(max_tokens=400, n_draft=n_draft, stop_at_eos=False))
+    batch, _, (first,) = _join_as_row(bundled, [busy], [(first_prompt, settings)], cache_entries=4)
+    assert batch.counters["prompt_rows_stepped"] > 0
+    history = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(history, enable_thinking=True))
+    turn = continuous.turn_start(tokenizer.token_to_id("<|im_start|>"), first_prompt)
+    nxt = batch.submit(prompt, settings)
+    while batch.step():
+        pass
+    assert nxt.cached_tokens == turn
+    assert first.tokens == alone(bundled, first_prompt, settings)
+    assert nxt.tokens == alone(bundled, prompt, Settings.of(max_tokens=12))
+
+
+def test_the_join_mode_is_checked(model):
+    with pytest.raises(UsageError, match="join='row'"):
+        ContinuousBatch(model, join="row")

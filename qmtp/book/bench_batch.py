@@ -279,11 +279,15 @@ def table(report: dict) -> str:
 
 
 # ---- a long prompt joining running rows ----------------------------------------------------------------------
-def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_steps: int = 30, seed: int = 0) -> dict:
+def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_steps: int = 30, seed: int = 0,
+               join: str = "auto") -> dict:
     """How long running rows wait between tokens while a `prompt_tokens`-token prompt joins them (issue 35: at
     most twice as long): `rows` rows decode (greedy, end ids ignored); their step time is timed for
     `warm_steps` steps after as many unmeasured ones (compiling), then the long prompt is submitted and every
-    step until it decodes its first token is timed (each a chunk of its prefill, then the rows' step)."""
+    step until it decodes its first token is timed (`join`: how it joins, `ContinuousBatch`'s: chunks of its
+    own between the rows' steps, or a row of their pass). The rows may decode the whole context: read as a
+    row, the prompt takes a step for every few of its tokens, and a row that ended would leave the others
+    alone."""
     import numpy as np
 
     from ..continuous import ContinuousBatch
@@ -292,9 +296,9 @@ def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     context = model.config.max_position_embeddings
-    batch = ContinuousBatch(model, max_batch=rows + 1)
+    batch = ContinuousBatch(model, max_batch=rows + 1, join=join)
     running = [batch.submit(rng.integers(0, vocab, 8 + 4 * i).tolist(),
-                            Settings.of(max_tokens=context - prompt_tokens - 64, n_draft=n_draft, stop_at_eos=False))
+                            Settings.of(max_tokens=context - 64 - 4 * rows, n_draft=n_draft, stop_at_eos=False))
                for i in range(rows)]
 
     def timed_step() -> float:
@@ -305,21 +309,25 @@ def join_stall(model, rows: int = 4, prompt_tokens: int = 2000, n_draft=3, warm_
     for _ in range(warm_steps):
         batch.step()
     before = [timed_step() for _ in range(warm_steps)]
-    joining = batch.submit(rng.integers(0, vocab, prompt_tokens).tolist(), Settings.of(max_tokens=4, n_draft=n_draft))
+    joining = batch.submit(rng.integers(0, vocab, prompt_tokens).tolist(),
+                           Settings.of(max_tokens=4, n_draft=n_draft))
+    fed = batch.counters["prompt_rows_stepped"]
     during = []
     while not joining.tokens and not joining.done.is_set():
         during.append(timed_step())
+    fed = batch.counters["prompt_rows_stepped"] - fed
     smallest_tokens, smallest_seconds = batch.chunk_costs.smallest() or (None, None)
     for request in running + [joining]:
         request.cancel()
     while batch.step():
         pass
     typical = statistics.median(before)
-    return {"rows": rows, "prompt_tokens": prompt_tokens, "n_draft": n_draft, "step_seconds": typical,
+    return {"rows": rows, "prompt_tokens": prompt_tokens, "n_draft": n_draft, "join": join, "step_seconds": typical,
             "steps_while_joining": len(during), "longest_while_joining": max(during),
             "median_while_joining": statistics.median(during), "longest_over_step": max(during) / typical,
             "p90_over_step": float(np.quantile(during, 0.9)) / typical,
             "share_over_twice": sum(d > 2 * typical for d in during) / len(during),
+            "steps_as_a_row": fed,
             "prefill_seconds": joining.stats.prefill_seconds, "smallest_chunk_tokens": smallest_tokens,
             "smallest_chunk_seconds": smallest_seconds}
 

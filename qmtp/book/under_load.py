@@ -509,9 +509,11 @@ def serve_summary(report: dict, clients: int) -> dict:
 
 
 def join_table(runs: list[dict]) -> str:
-    """`bench_batch.join_stall` runs as a Markdown table: the rows' step alone, and while the long prompt joins
-    (median, 90th percentile and longest step over the step alone, and the share of steps over twice it)."""
-    shown = [{"n_draft": r["n_draft"], "rows": r["rows"], "prompt tokens": r["prompt_tokens"],
+    """`bench_batch.join_stall` runs as a Markdown table: how the prompt joined, the rows' step alone, while the
+    long prompt joins (median, 90th percentile and longest step over the step alone, and the share of steps
+    over twice it), and the prompt's prefill."""
+    shown = [{"n_draft": r["n_draft"], "joined": "as a row" if r.get("steps_as_a_row") else "in chunks",
+              "rows": r["rows"], "prompt tokens": r["prompt_tokens"],
               "step alone ms": f"{r['step_seconds'] * 1e3:.1f}",
               "while joining, median ms": f"{r['median_while_joining'] * 1e3:.1f}",
               "while joining, longest ms": f"{r['longest_while_joining'] * 1e3:.1f}",
@@ -519,6 +521,17 @@ def join_table(runs: list[dict]) -> str:
               "steps over 2x": f"{r['share_over_twice']:.0%}", "steps": r["steps_while_joining"],
               "prefill s": f"{r['prefill_seconds']:.1f}"} for r in runs]
     return markdown_table(shown, list(shown[0]))
+
+
+def join_verdict(runs: list[dict], goal: float = 2.0) -> str:
+    """Whether the rows' steps while a prompt joined kept within `goal` times their step alone, in words: by
+    the 90th percentile, and how the longest step did."""
+    p90 = max(r["p90_over_step"] for r in runs)
+    longest = max(r["longest_over_step"] for r in runs)
+    if p90 > goal:
+        return f"missed: the 90th percentile reached {p90:.2f}x"
+    tail = "and every step kept within it" if longest <= goal else f"but the longest step took {longest:.2f}x"
+    return f"met by 9 steps in 10 at both widths, {tail}"
 
 
 def batch_fits_table(config: ModelConfig = QWEN36_35B_A3B, contexts=(4096, 32768), n_drafts=(1, 5),
