@@ -447,7 +447,10 @@ glue("four_vs_one", max(x["wall s"] / next(y for y in load if y["n_draft"] == x[
 # as its own process on a free port and streams 64 new tokens per request at temperature 0 from 1, 4 and 16
 # clients at once, `qmtp serve` at n_draft 1 and 3 and `mlx_lm.server` on the same bundled model (a float32
 # copy: MLX's CPU kernels for a bfloat16 mixture of experts compute in float32, and mlx_lm.server serves the
-# model plain, as it serves this family). Its report, saved in `book/measured/`, ran on
+# model plain, as it serves this family). All three servers run at once, each client count goes to each of
+# them in turn, the order reversed from round to round, and every cell is the median of
+# {glue:text}`serve_repeats` rounds (`--repeats`).
+# Its report, saved in `book/measured/`, ran on
 # {glue:text}`serve_where`, {glue:text}`serve_when`. mlx_lm.server ends a request at the end token (it has no
 # option to ignore it), so its tokens per request fall below 64.
 
@@ -459,6 +462,7 @@ Markdown(under_load.serve_rows_table(serve_run))
 at_16, at_4, at_1 = (under_load.serve_summary(serve_run, clients) for clients in (16, 4, 1))
 glue("serve_where", serve_run["where"], display=False)
 glue("serve_when", serve_run["when"], display=False)
+glue("serve_repeats", serve_run.get("repeats", 1), display=False)
 glue("serve_best_16", at_16["best"], display=False)
 glue("serve_over_mlx_lm_16", at_16["best_over_mlx_lm"], display=False)
 glue("serve_draft_1", at_1["aggregate"]["qmtp serve, n_draft 3"] / at_1["aggregate"]["qmtp serve, n_draft 1"],

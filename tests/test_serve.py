@@ -415,11 +415,22 @@ def test_the_engine_cancels_a_queued_row_and_refuses_what_decode_would(model):
 def test_the_load_bench_runs_and_prints_its_table():
     from qmtp.book import bench_serve
 
-    report = bench_serve.run(clients=(1, 2), max_tokens=6, n_drafts=(2,), mlx_lm=False)
-    rounds = report["servers"][0]["rounds"]
-    assert [r["clients"] for r in rounds] == [1, 2] and all(r["tokens_per_request"] == 6 for r in rounds)
-    assert all(r["ttft_p50"] > 0 and r["aggregate"] > 0 for r in rounds)
-    assert "qmtp serve, n_draft 2" in bench_serve.table(report)
+    report = bench_serve.run(clients=(1, 2), max_tokens=6, n_drafts=(1, 2), mlx_lm=False, repeats=2)
+    assert [s["server"] for s in report["servers"]] == ["qmtp serve, n_draft 1", "qmtp serve, n_draft 2"]
+    for server in report["servers"]:
+        rounds = server["rounds"]
+        assert [r["clients"] for r in rounds] == [1, 2] and all(r["tokens_per_request"] == 6 for r in rounds)
+        assert all(r["ttft_p50"] > 0 and r["aggregate"] > 0 for r in rounds)
+    assert "qmtp serve, n_draft 2" in bench_serve.table(report) and "median of 2 rounds" in bench_serve.table(report)
+    with pytest.raises(qmtp.UsageError, match="repeats"):
+        bench_serve.run(clients=(1,), repeats=0)
+
+
+def test_a_served_cell_is_the_median_of_its_repeats():
+    from qmtp.book import bench_serve
+
+    rounds = [{"clients": 4, "aggregate": a, "ttft_p50": t} for a, t in ((300.0, 0.2), (100.0, 0.1), (200.0, 0.3))]
+    assert bench_serve._median_round(rounds) == {"clients": 4, "aggregate": 200.0, "ttft_p50": 0.2}
 
 
 def test_importing_qmtp_loads_no_web_stack():

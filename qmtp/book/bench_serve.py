@@ -5,7 +5,10 @@ Each server runs as its own process on a free port of 127.0.0.1. For each number
 threads each stream one completion at once (temperature 0, `max_tokens` new tokens, `ignore_eos` where the
 server honours it); a request's time to first token is from sending it to its first text, its tokens/s the
 tokens after the first over the time from the first to the last; the aggregate is every token over the
-round's wall time. The server's resident memory is read after its warm-up request and after the last round.
+round's wall time. Every server is started (and warmed up) before the first round and waits idle while another
+is loaded; each client count runs on every server in turn, the order reversed each repeat, and a cell is the
+median of its repeats (`--repeats`). The server's resident memory is read after its warm-up request and after
+the last round.
 
 mlx_lm.server on the CPU cannot run a bfloat16 mixture of experts (MLX's CPU gather_mm computes float32
 only), and has no dtype option: it is given a float32 copy of the checkpoint (the dtype qmtp computes in on
@@ -120,14 +123,10 @@ def _round(base: str, clients: int, max_tokens: int, tokenizer) -> dict:
             "tokens_per_request": statistics.mean(r["tokens"] for r in results)}
 
 
-def _measure(name: str, command: list[str], port: int, ready: str, clients, max_tokens: int, tokenizer) -> dict:
-    base = f"http://127.0.0.1:{port}"
-    with _server(command, port, ready) as process:
-        _stream(base, PROMPTS[0], 8, tokenizer)  # warm-up: compiled steps, first allocations
-        before = _rss_mib(process.pid)
-        rounds = [_round(base, c, max_tokens, tokenizer) for c in clients]
-        after = _rss_mib(process.pid)
-    return {"server": name, "memory_before_mib": before, "memory_after_mib": after, "rounds": rounds}
+def _median_round(rounds: list[dict]) -> dict:
+    """One cell from the same round repeated: each field's median."""
+    return {key: rounds[0][key] if key == "clients" else statistics.median(r[key] for r in rounds)
+            for key in rounds[0]}
 
 
 def float32_copy(path: Path, workdir: Path) -> Path:
@@ -149,36 +148,60 @@ def float32_copy(path: Path, workdir: Path) -> Path:
 
 
 def run(model_path=None, clients=(1, 4, 16), max_tokens: int = 64, n_drafts=(1, 3), mlx_lm: bool = True,
-        workdir=None) -> dict:
-    """The load table's rows: qmtp serve at each n_draft, then mlx_lm.server, each at every client count."""
+        workdir=None, repeats: int = 3) -> dict:
+    """The load table's rows: qmtp serve at each n_draft, then mlx_lm.server, each at every client count.
+
+    Every server is started first and warmed up; then each client count is run on every server in turn,
+    the order reversed from one repeat to the next, and each cell is the median of its `repeats` rounds:
+    this machine's speed drifts by tens of percent from minute to minute, and one server measured after
+    another would carry that drift into their ratios."""
     import tempfile
+    from contextlib import ExitStack
 
     from ..loading import resolve_path
     from ..tokenizer import Tokenizer
 
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"repeats={repeats!r:.40} must be an integer >= 1")
     path = Path(resolve_path(model_path))
     tokenizer = Tokenizer.from_dir(path)
-    report = {"model": str(path), "max_tokens": max_tokens, "clients": list(clients), "servers": []}
+    commands = []
     for n_draft in n_drafts:
         port = _free_port()
-        command = [sys.executable, "-m", "qmtp.serve", str(path), "--port", str(port), "--n-draft", str(n_draft),
-                   "--max-queue", str(max(64, max(clients))), "--log-level", "warning"]
-        report["servers"].append(_measure(f"qmtp serve, n_draft {n_draft}", command, port, "/health", clients,
-                                          max_tokens, tokenizer))
-    if mlx_lm:
-        import mlx.core as mx
+        commands.append((f"qmtp serve, n_draft {n_draft}", port, "/health",
+                         [sys.executable, "-m", "qmtp.serve", str(path), "--port", str(port), "--n-draft",
+                          str(n_draft), "--max-queue", str(max(64, max(clients))), "--log-level", "warning"]))
+    with ExitStack() as stack:
+        if mlx_lm:
+            import mlx.core as mx
 
-        with tempfile.TemporaryDirectory(dir=workdir) as scratch:
-            copy = float32_copy(path, Path(scratch)) if mx.default_device() == mx.cpu else path
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=workdir)))
+            copy = float32_copy(path, scratch) if mx.default_device() == mx.cpu else path
             port = _free_port()
-            command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(copy), "--port", str(port)]
-            report["servers"].append(_measure("mlx_lm.server (float32 copy, plain)", command, port, "/v1/models",
-                                              clients, max_tokens, tokenizer))
-    return report
+            commands.append(("mlx_lm.server (float32 copy, plain)", port, "/v1/models",
+                             [sys.executable, "-m", "mlx_lm", "server", "--model", str(copy), "--port", str(port)]))
+        servers = []
+        for name, port, ready, command in commands:
+            process = stack.enter_context(_server(command, port, ready))
+            base = f"http://127.0.0.1:{port}"
+            _stream(base, PROMPTS[0], 8, tokenizer)  # warm-up: compiled steps, first allocations
+            servers.append({"server": name, "base": base, "process": process,
+                            "memory_before_mib": _rss_mib(process.pid), "runs": {c: [] for c in clients}})
+        for repeat in range(repeats):
+            for count in clients:
+                for server in servers if repeat % 2 == 0 else servers[::-1]:
+                    server["runs"][count].append(_round(server["base"], count, max_tokens, tokenizer))
+        for server in servers:
+            server["memory_after_mib"] = _rss_mib(server["process"].pid)
+    return {"model": str(path), "max_tokens": max_tokens, "clients": list(clients), "repeats": repeats,
+            "servers": [{"server": s["server"], "memory_before_mib": s["memory_before_mib"],
+                         "memory_after_mib": s["memory_after_mib"],
+                         "rounds": [_median_round(s["runs"][c]) for c in clients]} for s in servers]}
 
 
 def table(report: dict) -> str:
-    lines = [f"{report['model']}: {report['max_tokens']} new tokens per request, temperature 0",
+    lines = [f"{report['model']}: {report['max_tokens']} new tokens per request, temperature 0, each cell the median "
+             f"of {report.get('repeats', 1)} rounds",
              f"{'server':<38} {'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s/stream':>12} "
              f"{'tok/s all':>9} {'tok/req':>7}"]
     for server in report["servers"]:
@@ -208,9 +231,10 @@ def main(argv=None) -> int:
     p.add_argument("--n-draft", type=_counts, default=(1, 3), help="qmtp serve's --n-draft, one server each: 1,3")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per cell, servers interleaved; the median kept")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
-    report = run(args.model, args.clients, args.max_tokens, args.n_draft, not args.no_mlx_lm)
+    report = run(args.model, args.clients, args.max_tokens, args.n_draft, not args.no_mlx_lm, repeats=args.repeats)
     report.update(machine.where_and_when())
     print(table(report))
     if args.json:
