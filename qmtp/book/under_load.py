@@ -510,8 +510,8 @@ def serve_summary(report: dict, clients: int) -> dict:
 
 def join_table(runs: list[dict]) -> str:
     """`bench_batch.join_stall` runs (one batch size and prompt length, which the page states) as a Markdown
-    table: how the prompt joined, the rows' step alone, while the long prompt joins (median, 90th percentile and longest step over the step alone, and the share of steps
-    over twice it), and the prompt's prefill."""
+    table: how the prompt joined, the rows' step alone, while the long prompt joins (median, 90th percentile
+    and longest step over the step alone, and the share of steps over twice it), and the prompt's prefill."""
     shown = [{"n_draft": r["n_draft"], "joined": "as a row" if r.get("steps_as_a_row") else "in chunks",
               "step alone ms": f"{r['step_seconds'] * 1e3:.1f}",
               "while joining, median ms": f"{r['median_while_joining'] * 1e3:.1f}",
