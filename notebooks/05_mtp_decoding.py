@@ -23,9 +23,10 @@
 # Greedy output is therefore exactly plain greedy output, only produced in fewer trunk passes
 # {cite}`leviathan2023speculative`.
 #
-# The code follows the same four steps: `qmtp.decoding.step` calls `draft`, `verify`, the acceptance
-# strategy's `accept` (`Greedy` or `Rejection`) and `roll_back`, and `qmtp.speculative.decode_steps` runs
-# one such step per trunk pass.
+# The code follows the same four steps: `qmtp.decoding.step` calls `draft`, `verify`, each row's acceptance
+# strategy's `accept` (`qmtp.acceptance`: `Greedy`, `Coupled` or `Rejection`) and `roll_back`, and
+# `qmtp.speculative.decode_steps` runs one such step per trunk pass, over a batch of one row (a batch of many
+# runs the same step: `qmtp.continuous`).
 #
 # :::{admonition} What you will learn, what runs here
 # :class: tip
@@ -102,7 +103,7 @@ N_DRAFTS = budget.DECODE["n_drafts"] if FULL else (2, 3, 4, 5)
 # after the last kept token is the next pending token. The count is computed on the device, so nothing waits for
 # the host:
 #
-# ```{literalinclude} ../qmtp/decoding.py
+# ```{literalinclude} ../qmtp/acceptance.py
 # :pyobject: Greedy.accept
 # :language: python
 # :dedent: 4

@@ -45,33 +45,28 @@ class GatedAttention(nn.Module):
             cache.update(state, x.shape[1])
         return out
 
-    def step(self, x: mx.array, buffers, offset: mx.array):
-        """The mixer as a function of its state: x [B, T, H] at positions offset.. and KV buffers
-        [B, H_kv, capacity, D] holding the positions before -> (output [B, T, H], the buffers with x's keys and
-        values written at offset..). Entries past the last position are not read, so the buffers' shape never
-        depends on how many positions they hold."""
-        keys, values = buffers
-        T, capacity = x.shape[1], keys.shape[2]
-        q, k, v, gate = self.project(x, offset)
-        start = offset.reshape(1)
-        keys = mx.slice_update(keys, k.astype(keys.dtype), start, axes=(2,))
-        values = mx.slice_update(values, v.astype(values.dtype), start, axes=(2,))
-        visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]  # causal, and only valid entries
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=visible)
-        return self.output(out, gate), (keys, values)
-
-    def step_rows(self, x: mx.array, buffers, offsets: mx.array):
-        """`step` for a batch whose rows sit at their own positions: x [B, T, H], row b at offsets[b].. ([B]
-        int32). Each row's keys and values are written at its own offset (a scatter, not a slice), its queries
-        rotated from its own position, and its mask lets it read its own valid entries only."""
+    def step(self, x: mx.array, buffers, offsets: mx.array):
+        """The mixer as a function of its state: x [B, T, H], row b at positions offsets[b].. ([B] int32), and
+        KV buffers [B, H_kv, capacity, D] holding the positions before -> (output [B, T, H], the buffers with
+        x's keys and values written at each row's offset). Each row's queries are rotated from its own
+        position and its mask lets it read its own valid entries only, so the buffers' shape never depends on
+        how many positions a row holds."""
         keys, values = buffers
         B, T, capacity = x.shape[0], x.shape[1], keys.shape[2]
-        q, k, v, gate = self.project(x, offsets)
-        positions = offsets[:, None] + mx.arange(T)[None]  # [B, T]
-        where = mx.broadcast_to(positions[:, None, :, None], k.shape)
-        keys = mx.put_along_axis(keys, where, k.astype(keys.dtype), axis=2)
-        values = mx.put_along_axis(values, where, v.astype(values.dtype), axis=2)
-        visible = mx.arange(capacity)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, capacity]
+        offsets = mx.broadcast_to(offsets, (B,))
+        if B == 1:  # one row: its keys and values are a slice at its offset, cheaper than a scatter
+            offset = offsets[0]
+            q, k, v, gate = self.project(x, offset)
+            keys = mx.slice_update(keys, k.astype(keys.dtype), offsets, axes=(2,))
+            values = mx.slice_update(values, v.astype(values.dtype), offsets, axes=(2,))
+            visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]
+        else:
+            q, k, v, gate = self.project(x, offsets)
+            positions = offsets[:, None] + mx.arange(T)[None]  # [B, T]
+            where = mx.broadcast_to(positions[:, None, :, None], k.shape)
+            keys = mx.put_along_axis(keys, where, k.astype(keys.dtype), axis=2)
+            values = mx.put_along_axis(values, where, v.astype(values.dtype), axis=2)
+            visible = mx.arange(capacity)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, capacity]
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=visible)
         return self.output(out, gate), (keys, values)
 

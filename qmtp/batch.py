@@ -18,7 +18,7 @@ from .options import DEFAULT_ENGINE, Engine, Settings
 from .speculative import Generation, _chat_prompt
 
 SETTINGS = ("max_tokens", "n_draft", "seed", "stop", "stop_at_eos", "sampling", "temperature", "top_k", "top_p",
-            "min_p")
+            "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")  # `Settings.of`'s, in its order
 
 
 class BatchResult(list):
@@ -35,6 +35,8 @@ class BatchResult(list):
 def _per_row(name: str, value, rows: int) -> list:
     """One value per row: `value` repeated, or the list given (its length checked)."""
     per_row = isinstance(value, (list, tuple))
+    if name == "chat_template_kwargs":  # one value is a dict; per row, a list of dicts (or None)
+        per_row = per_row and all(v is None or isinstance(v, Mapping) for v in value)
     if name == "stop":  # one stop list is a list of strings; per row, a list of lists (or None)
         per_row = per_row and bool(value) and all(v is None or isinstance(v, (list, tuple)) for v in value)
     if not per_row:
@@ -44,36 +46,60 @@ def _per_row(name: str, value, rows: int) -> list:
     return list(value)
 
 
-def _prompt_of(model: Model, prompt, enable_thinking) -> list[int]:
-    """A row's token ids: text, ids, or a message list rendered by the chat template."""
-    is_messages = isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
-    if is_messages:
-        return _chat_prompt(model, None, list(prompt), enable_thinking, None)
-    return _chat_prompt(model, prompt, None, None, None)
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
 
 
-def generate_batch(model: Model, prompts, max_tokens=64, n_draft=1, temperature=None, seed=0, *, stop=None,
-                   stop_at_eos=True, sampling=None, top_k=None, top_p=None, min_p=None,
-                   enable_thinking: bool | None = None, max_batch: int | None = None,
-                   engine: Engine = DEFAULT_ENGINE) -> BatchResult:
+def _prompt_of(model: Model, prompt, enable_thinking, chat_template_kwargs) -> list[int]:
+    """A row's token ids: text, ids, or a message list rendered by the chat template (`generate`'s checks: the
+    template's arguments are for message lists only)."""
+    if _is_messages(prompt):
+        return _chat_prompt(model, None, list(prompt), enable_thinking, chat_template_kwargs)
+    return _chat_prompt(model, prompt, None, enable_thinking, chat_template_kwargs)
+
+
+def generate_batch(model: Model, prompts=None, max_tokens=64, n_draft=1, temperature=None, seed=0, *,
+                   messages=None, enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                   stop=None, stop_at_eos=True, sampling=None, top_k=None, top_p=None, min_p=None,
+                   presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                   max_batch: int | None = None, engine: Engine = DEFAULT_ENGINE) -> BatchResult:
     """Decode every prompt (text, token ids, or a message list for the chat template) as one row of a batch.
 
-    The arguments are `generate`'s, each one value or one per row (see the module's docs). A greedy row's
-    tokens are its own `generate` run's, for every n_draft; a sampled row keeps its distribution, drawn with
-    its own seed. `max_batch`: rows decoding at once (default: all). Returns a `BatchResult`."""
+    The arguments are `generate`'s, each one value or one per row (see the module's docs); `messages`, instead
+    of `prompts`, is one conversation per row (`generate(messages=...)`'s), and `enable_thinking` and
+    `chat_template_kwargs` apply to the rows given as message lists. A greedy row's tokens are its own
+    `generate` run's, for every n_draft; a sampled row keeps its distribution, drawn with its own seed.
+    `max_batch`: rows decoding at once (default: all). Returns a `BatchResult`."""
     if not isinstance(model, Model):
         raise UsageError(f"model: give a qmtp Model (qmtp.load(path)), not {type(model).__name__}")
+    if messages is not None:
+        if prompts is not None:
+            raise UsageError("give prompts or messages (one conversation per row), not both")
+        if not isinstance(messages, (list, tuple)) or not messages or not all(map(_is_messages, messages)):
+            raise UsageError("messages: give a non-empty list of conversations, one per row, each a list of "
+                             "{'role': ..., 'content': ...} messages")
+        prompts = messages
     if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise UsageError("prompts: give a non-empty list of prompts (text, token ids or message lists)")
     rows = len(prompts)
     given = dict(max_tokens=max_tokens, n_draft=n_draft, seed=seed, stop=stop, stop_at_eos=stop_at_eos,
-                 sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+                 sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                 repetition_penalty=repetition_penalty)
     columns = {name: _per_row(name, given[name], rows) for name in SETTINGS}
+    template = {name: _per_row(name, value, rows) for name, value in
+                (("enable_thinking", enable_thinking), ("chat_template_kwargs", chat_template_kwargs))}
+    if (enable_thinking is not None or chat_template_kwargs is not None) and not any(map(_is_messages, prompts)):
+        raise UsageError("enable_thinking and chat_template_kwargs shape a chat template's prompt: give message "
+                         "lists (messages=[...] or prompts that are message lists) to use them")
     batch = ContinuousBatch(model, max_batch=max_batch or rows, engine=engine)
     requests = []
     for row, prompt in enumerate(prompts):
         try:
-            tokens = _prompt_of(model, prompt, enable_thinking)
+            thinking, variables = template["enable_thinking"][row], template["chat_template_kwargs"][row]
+            if not _is_messages(prompt):  # the template's arguments shape the message lists among the rows
+                thinking = variables = None
+            tokens = _prompt_of(model, prompt, thinking, variables)
             settings = Settings.of(**{name: columns[name][row] for name in SETTINGS})
             requests.append(batch.check(tokens, settings))
         except QmtpError as error:

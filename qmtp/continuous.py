@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 import mlx.core as mx
 import numpy as np
 
-from . import adaptive, chat, decoding
+from . import acceptance, adaptive, chat, decoding
 from .adaptive import DraftPlanner
 from .errors import UsageError
 from .model import COMPILE, Model, release_at_thread_exit
@@ -153,27 +153,27 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
         end = at + _power_of_two_at_most(end - at)
         pre, post, state["layers"] = trunk_pass(state["layers"], state["offset"],
                                                 mx.array([tokens[at:end]], mx.int32))
-        state["offset"] = mx.array(end, mx.int32)
+        state["offset"] = mx.array([end], mx.int32)
         h = post if hidden == "post" else pre
         read = min(end, length - 1) - at  # the head reads position j with token j + 1
         if head is not None and read > 0:
             state["head"] = head_pass(h[:, :read], mx.array([tokens[at + 1:at + 1 + read]], mx.int32),
-                                      state["head"], mx.array(at, mx.int32))
+                                      state["head"], mx.array([at], mx.int32))
         at = end
         if at < length:
             mx.eval(state)
             if at == mark and on_mark is not None:
-                on_mark({**state, "head_offset": mx.array(at, mx.int32)} if head is not None else dict(state))
+                on_mark({**state, "head_offset": mx.array([at], mx.int32)} if head is not None else dict(state))
             yield at, state, h[:, -1:]
     if head is not None:
-        state["head_offset"] = mx.array(length - 1, mx.int32)
+        state["head_offset"] = mx.array([length - 1], mx.int32)
     logits = model.logits(post[:, -1:])[0].astype(mx.float32)
     if getattr(strategy, "by_position", False):  # coupled sampling: the first token's key is its position's
         key = strategy.key_at(key, length)
     history = None
     if strategy.history:  # penalties: nothing generated yet, and the prompt's tokens (a held state's are not
         state.update(_fresh_history(logits.shape[-1], tokens))  # this request's: `_hold` drops them)
-        history = (state["counts"][None], state["prompt_seen"])
+        history = (state["counts"], state["prompt_seen"][0])
     first, _ = strategy.pick(logits, key, history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
@@ -209,9 +209,9 @@ def _chunk_passes(model: Model, head):
 
 def _fresh_history(vocab: int, prompt: list[int]) -> dict:
     """A penalised row's history before its first token: no token generated, the prompt's tokens seen."""
-    seen = np.zeros(vocab, np.bool_)
-    seen[prompt] = True
-    return {"counts": mx.zeros((vocab,), mx.float32), "prompt_seen": mx.array(seen)}
+    seen = np.zeros((1, vocab), np.bool_)
+    seen[0, prompt] = True
+    return {"counts": mx.zeros((1, vocab), mx.float32), "prompt_seen": mx.array(seen)}
 
 
 def _no_history(vocab: int, rows: int) -> dict:
@@ -261,7 +261,7 @@ def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held
     at = len(resume.ids)
     read = mx.concatenate([after[:, :keep - 1], mx.array([[tokens[at]]], mx.int32)], axis=1)
     _, state["head"] = decoding.head_step(model, head, hidden[:, :keep], read, state["head"], state["head_offset"])
-    state["head_offset"] = mx.array(at, mx.int32)
+    state["head_offset"] = mx.array([at], mx.int32)
     return state
 
 
@@ -287,19 +287,14 @@ def _pad_axis(a: mx.array, axis: int, size: int) -> mx.array:
 
 
 def _as_row(model, state: dict, capacity: int, head) -> dict:
-    """A batch-1 state as one row of a batch: offsets as [1], KV buffers `capacity` long, the head's buffers
-    present exactly when the batch drafts with `head` (empty ones for a row that does not: it counts no
-    draft)."""
+    """A batch-1 state as one row of a batch: KV buffers `capacity` long, the head's buffers present exactly
+    when the batch drafts with `head` (empty ones for a row that does not: it counts no draft)."""
     row = decoding.grow_state(model, state, capacity) if decoding.capacity_of(model, state) < capacity else state
-    row = {**row, "offset": row["offset"].reshape(1)}
-    if "counts" in row:
-        row["counts"], row["prompt_seen"] = row["counts"][None], row["prompt_seen"][None]
+    row = dict(row)
     if head is not None and "head" not in row:
         row["head"] = head.layers[0].empty_state(1, capacity, model.dtype)
         row["head_offset"] = row["offset"] - 1
-    elif head is not None:
-        row["head_offset"] = row["head_offset"].reshape(1)
-    elif "head" in row:
+    elif head is None and "head" in row:
         del row["head"], row["head_offset"]
     return row
 
@@ -377,8 +372,9 @@ class ContinuousBatch:
             raise UsageError(f"max_batch={max_batch!r:.40} must be an integer >= 1")
         if not isinstance(engine, Engine):
             raise UsageError(f"engine: give a qmtp.Engine, not {type(engine).__name__}")
-        if engine.head_cache != "keep" or engine.rollback != "record":
-            raise UsageError("a batch drafts with head_cache='keep' and rollback='record' only")
+        if engine.rollback != "record":  # rows keep different counts: replaying each would be a pass of its own
+            raise UsageError("Engine(rollback='replay') replays a single generation's kept tokens: a batch rolls back "
+                             "with rollback='record' only")
         self.model, self.max_batch, self.engine = model, max_batch, engine
         self._timer = engine.timer or _untimed
         self.drafter = engine.drafter(model) if model.mtp is not None or engine.head is not None else None
@@ -444,7 +440,7 @@ class ContinuousBatch:
             raise UsageError("prompt_tokens: give a list of integer token ids")
         _validate(self.model, prompt_tokens, settings)
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
-        return Request(prompt_tokens, settings, on_tokens, decoding.strategy_for(sampler, self.engine.acceptance),
+        return Request(prompt_tokens, settings, on_tokens, acceptance.strategy_for(sampler, self.engine.acceptance),
                        _end_set(eos))
 
     def run(self, stop: threading.Event) -> None:
@@ -594,7 +590,7 @@ class ContinuousBatch:
         request = joining.request
         state = decoding.cut_state(self.model, state, decoding.capacity_for(at + 2 * MAX_N_DRAFT))
         if "head" in state:
-            state["head_offset"] = mx.array(at - 1, mx.int32)
+            state["head_offset"] = mx.array([at - 1], mx.int32)
         request._feed_at, request._mark = at, joining.mark if joining.mark > at else 0
         request._prefill_started = time.perf_counter() - joining.seconds
         by_position = getattr(request.strategy, "by_position", False)
@@ -738,25 +734,9 @@ class ContinuousBatch:
         return max(fixed, self._planner.choose())
 
     def _compiled(self, k: int, strategies: tuple, caps: tuple, follows: bool, feeding: tuple = ()):
-        """`decoding.step_rows` for these rows' strategies and caps, compiled once and kept with the model."""
-        steps = self.model.__dict__.setdefault("_batch_steps", {})
-        head = self.drafter if (k or follows) else None
-        feeding = feeding if any(feeding) else ()
-        key = (id(head), k, tuple(s.key for s in strategies), caps, self.engine.hidden, self.engine.chain,
-               follows, self.engine.compiled, feeding)
-        if key not in steps:
-            engine = self.engine
-
-            def run(state, last, keys, *feed):
-                return decoding.step_rows(self.model, head, k, strategies, caps, engine.hidden, state, last, keys,
-                                          engine.chain, follows, feeding, *feed)
-
-            if COMPILE and engine.compiled:
-                implicit = [self.model.state] + ([head.state] if head is not None and head is not self.model.mtp
-                                                 else [])
-                run = mx.compile(run, inputs=implicit)
-            steps[key] = run
-        return steps[key]
+        engine = self.engine
+        return decoding.compiled_step(self.model, self.drafter, k, strategies, caps, engine.hidden, True,
+                                      (engine.head_cache, engine.chain), follows, feeding, compiled=engine.compiled)
 
     def _fit(self, width: int) -> None:
         """KV buffers long enough for this step's `width` tokens on every row, grown to the next power of two
@@ -825,9 +805,6 @@ class ContinuousBatch:
         index = mx.array([b], mx.int32)
         state = _rows_of(self._state, index)
         state.pop("counts", None), state.pop("prompt_seen", None)  # this request's generation: not the next one's
-        state["offset"] = state["offset"][0]
-        if "head" in state:
-            state["head_offset"] = state["head_offset"][0]
         if ids is None:
             ids = tuple(request.prompt_tokens + request._decoded[:-1])
         return _Held(ids, state, _rows_of(self._last, index), request.drafts)

@@ -42,28 +42,17 @@ class DecoderLayer(nn.Module):
         self.mlp.log(indices, logits)
         return y
 
-    def step(self, x: mx.array, state, offset: mx.array, record: bool = False):
-        """The layer as a function of its mixer's state, x [B, T, H] sitting at positions offset..: (output, the
-        mixer's new state, the experts chosen [B * T, k] and the router logits, both None without routed
-        experts). `record`: a DeltaNet layer's new state is its state after every position (`GatedDeltaNet.step`).
-        Pure, so the decoding step can compile it."""
+    def step(self, x: mx.array, state, offsets: mx.array, record: bool = False):
+        """The layer as a function of its mixer's state, x [B, T, H], row b at positions offsets[b].. ([B]
+        int32): (output, the mixer's new state, the experts chosen [B * T, k] and the router logits, both None
+        without routed experts). Attention reads and writes each row at its own offset; DeltaNet's state is
+        per row already. `record`: a DeltaNet layer's new state is its state after every position
+        (`GatedDeltaNet.step`). Pure, so the decoding step can compile it."""
         normed = self.input_layernorm(x)
         if self.kind == LINEAR:
             mixed, state = self.linear_attn.step(normed, state, record)
         else:
-            mixed, state = self.self_attn.step(normed, state, offset)
-        h = x + mixed
-        out, indices, logits = self.mlp.forward(self.post_attention_layernorm(h))
-        return h + out, state, indices, logits
-
-    def step_rows(self, x: mx.array, state, offsets: mx.array, record: bool = False):
-        """`step` for a batch whose rows sit at their own positions (offsets [B]): attention reads and writes
-        each row at its own offset (`GatedAttention.step_rows`); DeltaNet's state is per row already."""
-        normed = self.input_layernorm(x)
-        if self.kind == LINEAR:
-            mixed, state = self.linear_attn.step(normed, state, record)
-        else:
-            mixed, state = self.self_attn.step_rows(normed, state, offsets)
+            mixed, state = self.self_attn.step(normed, state, offsets)
         h = x + mixed
         out, indices, logits = self.mlp.forward(self.post_attention_layernorm(h))
         return h + out, state, indices, logits

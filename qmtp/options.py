@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import WIDTHS
-from .decoding import ACCEPTANCES, CHAINS, HEAD_CACHES
+from .acceptance import ACCEPTANCES
+from .decoding import CHAINS, HEAD_CACHES
 from .errors import UsageError
 from .mtp import MTPHead
 from .sampling import Sampling
@@ -144,9 +145,10 @@ class Engine:
       accepted tokens again from the state before the pass.
     - acceptance: how a sampled draft is kept. "coupled": each position's token is chosen with noise made from
       the seed and the position alone, shared by the draft, so a seed gives the same tokens at every n_draft,
-      "auto" included (`decoding.Coupled`); "rejection": Leviathan et al.'s rejection sampling, random per step
-      (`decoding.Rejection`), which keeps about 1% more first drafts. Both keep the trunk's law exactly.
-    - track_experts: count the distinct experts each verify pass reads (`Stats.experts_per_pass`).
+      "auto" included (`acceptance.Coupled`); "rejection": Leviathan et al.'s rejection sampling, random per step
+      (`acceptance.Rejection`), which keeps about 1% more first drafts. Both keep the trunk's law exactly.
+    - track_experts: count the distinct experts each verify pass reads (`Stats.experts_per_pass`): what the
+      book's union-of-experts measurements read, off for everyone else (it keeps every pass's choices).
     - compiled, queue_ahead: False runs each step eagerly (graph built op by op, not replayed from a trace), or
       reads each step's tokens before queueing the next: what the two buy (`bench.mtp`'s ablation).
     - timer: a `qmtp.speculative.PhaseTimer` to add the loop's phases to (profiling)."""
@@ -157,7 +159,7 @@ class Engine:
     chain: str = "post"
     rollback: str = "record"
     acceptance: str = "coupled"
-    track_experts: bool = True
+    track_experts: bool = False
     compiled: bool = True
     queue_ahead: bool = True
     timer: object = field(default=None, compare=False)

@@ -124,9 +124,9 @@ class PrefixCache:
         state = dict(self.state)
         state["layers"] = [s if layer.kind != LINEAR else kept
                            for layer, s, kept in zip(model.layers, self.state["layers"], snapshot.linear)]
-        state["offset"] = mx.array(snapshot.position, mx.int32)
+        state["offset"] = mx.array([snapshot.position], mx.int32)
         if "head" in state:
-            state["head_offset"] = mx.array(snapshot.position - 1, mx.int32)
+            state["head_offset"] = mx.array([snapshot.position - 1], mx.int32)
         return Resume(snapshot.position, state, snapshot.hidden)
 
     def take_marks(self) -> set[int]:
@@ -141,7 +141,7 @@ class PrefixCache:
     def hold(self, state: dict, last, produced: list[int], held: int, step_start=None) -> None:
         """After a step: the state, what the next step would need, the tokens produced so far (a list the
         steps extend), how many positions the state holds, and where the step started (positions held, the
-        layers' states, what it read: `decoding.step`'s `last`), if it was not the prefill."""
+        layers' states, what it read: `decoding.step`'s `last`, a batch of one), if it was not the prefill."""
         self._live = (state, last, produced, held, step_start)
         if "head" in state:  # a plain step that gave drafting up for good drops the head's buffers
             self._head = (state["head"], state["head_offset"])

@@ -32,10 +32,9 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import NonFiniteLogitsError, UsageError
-from . import adaptive, chat, decoding, parallel
+from . import acceptance, adaptive, chat, decoding, parallel
 from .adaptive import DraftPlanner
-from .decoding import Greedy, Rejection
-from .model import COMPILE, Model, release_at_thread_exit
+from .model import Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .prefix_cache import PrefixCache, Resume
 from .sampling import Sampling
@@ -350,7 +349,7 @@ def decode(model: Model, prompt_tokens: list[int], settings: Settings, engine: E
     stats = Stats(n_draft=settings.n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * (widest - 1),
                   accepted=[0] * (widest - 1))
     recorder = ExpertRecorder() if engine.track_experts else None
-    strategy = decoding.strategy_for(sampler, engine.acceptance)
+    strategy = acceptance.strategy_for(sampler, engine.acceptance)
     n_draft, learned = settings.n_draft, None
     if n_draft == "auto":
         n_draft, learned = _planner(model, drafter, strategy, engine)
@@ -511,28 +510,29 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         return
     if not strategy.by_position:  # the prefill's draw used `key`: the steps' keys are split off it
         key = mx.random.split(key)[1]
+    keys = key[None]  # a batch of one row
 
-    def queue(state, last, key):
+    def queue(state, last, keys):
         n = planner.choose() if planner else n_draft
         # a planner's plain step keeps the head's cache whole unless it gave up drafting for good
         follows = planner is not None and n == 1 and not planner.plain
         with timer("build"):
-            step = _compiled_step(model, head, n - 1, strategy, hidden, record, compiled, drafting, follows)(
-                state, last, key)
+            step = decoding.compiled_step(model, head, n - 1, (strategy,), (n - 1,), hidden, record, drafting,
+                                          follows, compiled=compiled)(state, last, keys)
             mx.async_eval(step[2])
         return n, step
 
     agree = parallel.rank0_decides(model.shard) if planner else None
-    queued = queue(state, last, key)
+    queued = queue(state, last, keys)
     read_at, previous = None, None  # when the last step's tokens were read; its (width, next step's width)
     while True:
         before, last_before, held_before = state, last, held
-        n, (state, last, report, experts, key) = queued
+        n, (state, last, report, experts, keys) = queued
         queued = None
         if queue_ahead and (record or n == 1) and produced + n < max_tokens:
-            queued = queue(state, last, key)  # this pass cannot end the generation
+            queued = queue(state, last, keys)  # this pass cannot end the generation
         with timer("sync"):
-            report = report.tolist()
+            report = report.tolist()[0]
         if planner:
             # One step's cost: the interval since the last read, when the step read then had this width and
             # the same one queued behind it (or none, both times). A step queued before the read runs partly
@@ -563,7 +563,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         if produced >= max_tokens or any(t in eos for t in emitted):
             return
         if queued is None:
-            queued = queue(state, last, key)
+            queued = queue(state, last, keys)
 
 
 def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draft: int, strategy, hidden: str, key,
@@ -587,7 +587,7 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     for end in ends + [len(prompt_tokens)]:
         piece = mx.array([prompt_tokens[at:end]], mx.int32)
         pre, post, _, state["layers"] = decoding.trunk_step(model, piece, state, record=False)
-        state["offset"] = mx.array(end, mx.int32)
+        state["offset"] = mx.array([end], mx.int32)
         hs.append(post if hidden == "post" else pre)
         if cache is not None:
             cache.snapshot(model, end, state["layers"], hs[-1][:, -1:] if head is not None else None)
@@ -597,11 +597,11 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
     history = None
     if strategy.history:  # penalties: what was generated (nothing yet) and the prompt's tokens
         vocab = logits.shape[-1]
-        state["counts"] = mx.zeros((vocab,), mx.float32)
-        seen = np.zeros(vocab, np.bool_)
-        seen[prompt_tokens] = True
+        state["counts"] = mx.zeros((1, vocab), mx.float32)
+        seen = np.zeros((1, vocab), np.bool_)
+        seen[0, prompt_tokens] = True
         state["prompt_seen"] = mx.array(seen)
-        history = (state["counts"][None], state["prompt_seen"])
+        history = (state["counts"], state["prompt_seen"][0])
     first, _ = strategy.pick(logits, strategy.key_at(key, len(prompt_tokens)), history)
     finite = mx.isfinite(logits).all()
     mx.eval(first, finite, state)
@@ -616,12 +616,12 @@ def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draf
         if read_from + 1 < len(prompt_tokens):
             _, state["head"] = decoding.head_step(
                 model, head, mx.concatenate([pending, h[:, :-1]], axis=1),
-                mx.array([prompt_tokens[read_from + 1:]], mx.int32), state["head"], mx.array(read_from, mx.int32))
-        state["head_offset"] = mx.array(len(prompt_tokens) - 1, mx.int32)
+                mx.array([prompt_tokens[read_from + 1:]], mx.int32), state["head"], mx.array([read_from], mx.int32))
+        state["head_offset"] = mx.array([len(prompt_tokens) - 1], mx.int32)
     # The first step's head reads one valid position, the prompt's last (padded to the pass's width)
     pad = n_draft - 1
     last = (mx.pad(h[:, -1:], [(0, 0), (0, pad), (0, 0)]), mx.pad(first.reshape(1, 1), [(0, 0), (0, pad)]),
-            mx.array(1, mx.int32))
+            mx.array([1], mx.int32))
     return state, last, int(first.item())
 
 
@@ -649,23 +649,3 @@ def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_dr
     h = post if hidden == "post" else pre
     h = mx.pad(h, [(0, 0), (0, n_draft - len(kept)), (0, 0)])
     return {**state, "layers": layers}, (h, last[1], last[2])
-
-
-def _compiled_step(model: Model, head, k: int, strategy, hidden: str, record: bool, compiled: bool = True,
-                   drafting=("keep", "post"), follows: bool = False):
-    """`decoding.step` for this model, drafter and settings (`drafting`: the head's cache and chain options;
-    `follows`: a plain step whose head reads the pass), compiled once and kept with the model (the weights are
-    implicit inputs, read at every call)."""
-    steps = model.__dict__.setdefault("_decode_steps", {})
-    drafting = tuple(drafting) if k else None
-    key = (id(head) if k or follows else None, k, strategy.key, hidden, record, compiled, drafting, follows)
-    if key not in steps:
-        def run(state, last, rng):
-            return decoding.step(model, head, k, strategy, hidden, record, state, last, rng,
-                                 *(drafting or decoding.DRAFTING), follows)
-
-        if COMPILE and compiled:
-            implicit = [model.state] + ([head.state] if (k or follows) and head is not model.mtp else [])
-            run = mx.compile(run, inputs=implicit)
-        steps[key] = run
-    return steps[key]

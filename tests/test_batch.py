@@ -148,3 +148,34 @@ def test_greedy_rows_equal_their_own_runs_on_the_bundled_model():
     for n_draft in [1, 2, 3, 4, 5, "auto", [1, 3, 5, "auto"]]:
         batch = qmtp.generate_batch(bundled, prompts, max_tokens=40, n_draft=n_draft)
         assert [row.tokens for row in batch] == own, f"n_draft={n_draft}"
+
+
+def test_generate_batch_takes_generates_penalty_keywords(model):
+    """`generate`'s penalty keywords, one value or one per row, give each row its own `generate` run (issue 45
+    item 7: they were a TypeError while a `Sampling` with the same penalties worked)."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 97, rng.integers(1, 10)).tolist() for _ in range(3)]
+    penalties = dict(presence_penalty=[1.5, 0.0, 0.5], frequency_penalty=0.4, repetition_penalty=[1.0, 1.3, 1.1])
+    batch = qmtp.generate_batch(model, prompts, max_tokens=16, n_draft=3, **penalties)
+    for row, (prompt, presence, repetition) in enumerate(zip(prompts, penalties["presence_penalty"],
+                                                              penalties["repetition_penalty"])):
+        alone = qmtp.generate(model, prompt, max_tokens=16, n_draft=3, presence_penalty=presence,
+                              frequency_penalty=0.4, repetition_penalty=repetition)
+        assert batch[row].tokens == alone.tokens, f"row {row}"
+    assert batch[0].tokens != qmtp.generate(model, prompts[0], max_tokens=16).tokens, "the penalty changed nothing"
+
+
+def test_generate_batch_takes_message_lists_and_the_templates_arguments():
+    bundled = qmtp.load()
+    conversations = [[{"role": "user", "content": "Tell me a story."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]]
+    batch = qmtp.generate_batch(bundled, messages=conversations, max_tokens=12, n_draft=[1, "auto"],
+                                enable_thinking=False, chat_template_kwargs=[None, {"preserve_thinking": True}])
+    for row, (messages, variables) in enumerate(zip(conversations, [None, {"preserve_thinking": True}])):
+        alone = qmtp.generate(bundled, messages=messages, max_tokens=12, enable_thinking=False,
+                              chat_template_kwargs=variables)
+        assert batch[row].tokens == alone.tokens and batch[row].prompt_tokens == alone.prompt_tokens, f"row {row}"
+    with pytest.raises(UsageError, match="prompts or messages"):
+        qmtp.generate_batch(bundled, ["a"], messages=conversations)
+    with pytest.raises(UsageError, match="message lists"):
+        qmtp.generate_batch(bundled, ["Once upon a time"], enable_thinking=False)

@@ -84,10 +84,10 @@ def test_recorded_states_rewind_to_any_prefix(model):
     full = np.array(model(TOKENS))
     state = decoding.empty_state(model, 32, head=False)
     _, _, _, state["layers"] = decoding.trunk_step(model, TOKENS[:, :6], state, record=False)
-    state["offset"] = mx.array(6, mx.int32)
+    state["offset"] = mx.array([6], mx.int32)
     _, _, _, recorded = decoding.trunk_step(model, TOKENS[:, 6:10], state, record=True)
     for keep in range(1, 5):
-        kept = {"layers": decoding.keep_prefix(model, recorded, mx.array(keep)), "offset": mx.array(6 + keep)}
+        kept = {"layers": decoding.keep_prefix(model, recorded, mx.array([keep])), "offset": mx.array([6 + keep])}
         _, post, _, _ = decoding.trunk_step(model, TOKENS[:, 6 + keep:], kept, record=False)
         assert relative_error(np.array(model.logits(post)), full[:, 6 + keep:]) < 1e-5
 

@@ -434,7 +434,6 @@ def test_the_context_check_is_exact(short_context, monkeypatch, n_draft):
     with pytest.raises(UsageError, match=f"ask for at most {fits} new tokens"):
         qmtp.generate(short_context, prompt, max_tokens=fits + 1, n_draft=n_draft)
 
-    from qmtp import speculative
     from qmtp.attention import GatedAttention
 
     largest = []  # the end of every block of positions written into a KV buffer, trunk and head
@@ -445,10 +444,8 @@ def test_the_context_check_is_exact(short_context, monkeypatch, n_draft):
         return attend(attention, x, buffers, offset)
 
     monkeypatch.setattr(GatedAttention, "step", watched)
-    monkeypatch.setattr(speculative, "COMPILE", False)  # eager, so that every pass's offset can be read
-    short_context.__dict__.pop("_decode_steps", None)
-    g = qmtp.generate(short_context, prompt, max_tokens=fits, n_draft=n_draft, stop_at_eos=False)
-    short_context.__dict__.pop("_decode_steps", None)
+    eager = qmtp.Engine(compiled=False)  # so that every pass's offset can be read
+    g = qmtp.generate(short_context, prompt, max_tokens=fits, n_draft=n_draft, stop_at_eos=False, engine=eager)
     assert g.stats.generated == fits and largest and max(largest) <= 32
 
 

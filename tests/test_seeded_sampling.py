@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import qmtp
-from qmtp import Sampling, decoding
+from qmtp import Sampling, acceptance
 from qmtp.errors import UsageError
 
 from test_chat import model_dir
@@ -58,7 +58,7 @@ def test_switching_widths_step_by_step_keeps_the_sampled_tokens(small_vocab_mode
     sampling plainly, with either roll back."""
     from qmtp.speculative import decode_steps
 
-    strategy = decoding.strategy_for(Sampling(temperature=1.0, top_p=0.95, presence_penalty=0.5))
+    strategy = acceptance.strategy_for(Sampling(temperature=1.0, top_p=0.95, presence_penalty=0.5))
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False, temperature=1.0,
                               top_p=0.95, presence_penalty=0.5, seed=4).tokens
@@ -97,13 +97,13 @@ def test_neighbouring_seeds_do_not_share_shifted_noise():
     """A conversation seeds turn n with seed + n: the noise of seed s + 1 at position t must not be that of seed s
     at a nearby position (as a key built as seed + position would make it)."""
     def noise(seed, position):
-        return decoding.gumbel_noise(decoding.position_key(mx.random.key(seed), position), 64)
+        return acceptance.gumbel_noise(acceptance.position_key(mx.random.key(seed), position), 64)
 
     base = noise(5, 100)
     assert mx.array_equal(base, noise(5, 100))  # a function of (seed, position)
     others = [noise(5, 101), noise(6, 100), noise(6, 99), noise(4, 101), noise(2**64 - 1, 100)]
     assert not any(mx.allclose(base, o) for o in others)
-    compiled = mx.compile(lambda key, position: decoding.gumbel_noise(decoding.position_key(key, position), 64))
+    compiled = mx.compile(lambda key, position: acceptance.gumbel_noise(acceptance.position_key(key, position), 64))
     assert mx.array_equal(compiled(mx.random.key(5), mx.array(100, mx.int32)), base)  # inside a compiled step too
 
 

@@ -52,7 +52,8 @@ def test_greedy_lossless_on_a_wider_vocabulary(model):
 
 
 def test_statistics_are_consistent(small_vocab_model):
-    g = qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=30, n_draft=3)
+    g = qmtp.generate(small_vocab_model, [1, 2, 3], max_tokens=30, n_draft=3,
+                      engine=qmtp.Engine(track_experts=True))
     s = g.stats
     assert s.generated == len(g.tokens) == 30
     assert s.trunk_passes == len(s.steps) == len(s.tokens_per_pass) == len(s.experts_per_pass)
@@ -212,7 +213,8 @@ class CyclingPlanner(adaptive.DraftPlanner):
 
 @pytest.mark.parametrize("rollback", ["record", "replay"])
 def test_switching_widths_between_steps_is_lossless(small_vocab_model, rollback):
-    from qmtp.speculative import Greedy, decode_steps
+    from qmtp.acceptance import Greedy
+    from qmtp.speculative import decode_steps
 
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False).tokens
@@ -232,7 +234,8 @@ def test_a_plain_step_that_follows_keeps_the_heads_cache_whole(model):
     """Width 1 chosen by a learning planner before it gives up drafting: the head still reads each position, so
     the drafts after such steps are the ones a generation that never stopped drafting makes at the same
     positions."""
-    from qmtp.speculative import Greedy, decode_steps
+    from qmtp.acceptance import Greedy
+    from qmtp.speculative import decode_steps
 
     def first_drafts(order, prompt):
         planner = CyclingPlanner(order)  # its widths 1 before the last: steps whose head follows
@@ -335,21 +338,21 @@ def test_every_drafting_option_keeps_the_trunks_tokens(small_vocab_model, temper
 def test_a_reset_head_cache_forgets_the_text_and_a_kept_one_does_not(small_vocab_model):
     """With head_cache="reset" the drafts depend on the last position only: garbage in the head's cache changes
     nothing. With the cache kept the same garbage changes the head's distribution."""
-    from qmtp import decoding
+    from qmtp import acceptance, decoding
 
     model = small_vocab_model
     state = decoding.empty_state(model, 64, head=True)
-    state["head_offset"] = mx.array(5, mx.int32)
+    state["head_offset"] = mx.array([5], mx.int32)
     noisy = dict(state, head=tuple(mx.random.normal(b.shape, key=mx.random.key(i)) for i, b in
                                    enumerate(state["head"])))
     H = model.config.hidden_size
     last = (mx.random.normal((1, 3, H), key=mx.random.key(7)), mx.array([[1, 2, 3]], mx.int32),
-            mx.array(2, mx.int32))
-    sample = decoding.Rejection(1.0)
+            mx.array([2], mx.int32))
+    sample = acceptance.Rejection(1.0)
     key = mx.random.key(0)
 
     def dists(s, cache):
-        return np.array(mx.stack(decoding.draft(model, model.mtp, 2, sample, s, last, key, cache)[1]))
+        return np.array(mx.stack(decoding.draft(model, model.mtp, 2, (sample,), (2,), s, last, [key], cache)[1][0]))
 
     reset = np.abs(dists(state, "reset") - dists(noisy, "reset")).max()
     kept = np.abs(dists(state, "keep") - dists(noisy, "keep")).max()
@@ -357,16 +360,16 @@ def test_a_reset_head_cache_forgets_the_text_and_a_kept_one_does_not(small_vocab
 
 
 def test_the_chain_option_changes_only_the_drafts_after_the_first(small_vocab_model):
-    from qmtp import decoding
+    from qmtp import acceptance, decoding
 
     model = small_vocab_model
     state = decoding.empty_state(model, 64, head=True)
     H = model.config.hidden_size
     last = (mx.random.normal((1, 2, H), key=mx.random.key(1)), mx.array([[1, 2]], mx.int32),
-            mx.array(2, mx.int32))
-    sample, key = decoding.Rejection(1.0), mx.random.key(0)
-    post = decoding.draft(model, model.mtp, 3, sample, state, last, key, "keep", "post")[1]
-    pre = decoding.draft(model, model.mtp, 3, sample, state, last, key, "keep", "pre")[1]
+            mx.array([2], mx.int32))
+    sample, key = acceptance.Rejection(1.0), mx.random.key(0)
+    post = decoding.draft(model, model.mtp, 3, (sample,), (3,), state, last, [key], "keep", "post")[1][0]
+    pre = decoding.draft(model, model.mtp, 3, (sample,), (3,), state, last, [key], "keep", "pre")[1][0]
     first = np.abs(np.array(post[0]) - np.array(pre[0])).max()
     second = np.abs(np.array(post[1]) - np.array(pre[1])).max()
     assert first < 1e-6 < 1e-3 < second, (first, second)  # the first draft reads the trunk's state

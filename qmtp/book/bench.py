@@ -304,22 +304,23 @@ def interleaved_pass_costs(model: Model, prompt: list[int], n_drafts, rounds: in
     falls on every width alike, where widths timed one after another would each meet their own spell and could
     come out in the wrong order. Per width: the medians over the rounds ("verify", and "head_per_draft" where
     the width drafts) and "rounds", the calls each shape was timed."""
-    from .. import decoding
+    from .. import acceptance, decoding
     from ..parallel import rank0_decides
     from ..speculative import _prefill
 
-    greedy = decoding.Greedy()
+    greedy = acceptance.Greedy()
     calls = {}  # (n_draft, "verify" | "draft") -> a compiled call from that width's state
     for n in n_drafts:
         k = n - 1
         state, last, _ = _prefill(model, model.mtp if k else None, prompt,
                                   decoding.capacity_for(len(prompt) + 2 * n), n, greedy, "post", mx.random.key(0))
         tokens = mx.array([[last[1][0, 0].item()] * n], mx.int32)
-        verify = mx.compile(lambda s, t, k=k: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
+        verify = mx.compile(lambda s, t, k=k: model.logits(decoding.trunk_step(model, t, s, k > 0)[1]),
+                            inputs=[model.state])
         calls[n, "verify"] = lambda verify=verify, state=state, tokens=tokens: verify(state, tokens)
         if k:
-            draft = mx.compile(lambda s, l, k=k: decoding.draft(model, model.mtp, k, greedy, s, l, mx.array(0))[0],
-                               inputs=[model.state])
+            draft = mx.compile(lambda s, l, k=k: decoding.draft(model, model.mtp, k, (greedy,), (k,), s, l,
+                                                                [mx.array(0)])[0], inputs=[model.state])
             calls[n, "draft"] = lambda draft=draft, state=state, last=last: draft(state, last)
     agree = rank0_decides(model.shard) or (lambda value: value)  # expert-parallel: every rank stops with rank 0
 
@@ -429,16 +430,20 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
     if not set(ablate) <= set(n_drafts):
         raise UsageError(f"ablate={sorted(ablate)}: ablate only n_drafts the bench runs ({min(n_drafts)}..{max(n_drafts)})")
     engines = {("qmtp", n): (lambda p, n=n, t=None: generate(model, p, max_tokens=max_tokens, n_draft=n,
-                                                              stop_at_eos=False, engine=Engine(timer=t)))
+                                                              stop_at_eos=False,
+                                                              engine=Engine(timer=t, track_experts=True)))
                for n in n_drafts}
     if auto:
         engines[("qmtp", "auto")] = lambda p, t=None: generate(model, p, max_tokens=max_tokens, n_draft="auto",
-                                                                stop_at_eos=False, engine=Engine(timer=t))
+                                                                stop_at_eos=False,
+                                                                engine=Engine(timer=t, track_experts=True))
     for variant, settings in ABLATIONS.items():
         engines.update({(f"qmtp {variant}", n): (lambda p, n=n, t=None, s=settings: generate(
-            model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, engine=Engine(**s))) for n in ablate})
+            model, p, max_tokens=max_tokens, n_draft=n, stop_at_eos=False, engine=Engine(track_experts=True, **s)))
+            for n in ablate})
     if peer is not None:
         engines.update({("mlx-vlm", n): (lambda p, n=n, t=None: peer.generate(p, max_tokens, n)) for n in n_drafts})
+    # every qmtp run tracks its experts (the fixed widths' are read below), so that all are timed alike
     # warm-up: the first passes of each shape trace and compile (auto's, as it first uses each width)
     warm_up = {name: run(prompts[0]) for name, run in engines.items()}
     speeds = {name: [] for name in engines}

@@ -346,13 +346,13 @@ def real_width_passes(batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5), layers: in
     import mlx.core as mx
     import numpy as np
 
-    from .. import continuous, decoding
+    from .. import acceptance, continuous, decoding
     from .bench import _median_seconds, real_width_model
     from .under_load import experts_read
 
     model = real_width_model(layers, independent_routing=True, **(overrides or {}))
     config, rng = model.config, np.random.default_rng(0)
-    greedy = decoding.Greedy()
+    greedy = acceptance.Greedy()
     capacity = decoding.capacity_for(context + 2 * max(n_drafts))
     rows = []
     for size in batches:
@@ -371,7 +371,7 @@ def real_width_passes(batches=(1, 2, 4, 8), n_drafts=(1, 2, 3, 4, 5), layers: in
             tokens = mx.array(rng.integers(0, config.vocab_size, (size, n)), mx.int32)
 
             def trunk(s, t, record=n > 1):
-                _, post, experts, layers = decoding.trunk_step_rows(model, t, s, record)
+                _, post, experts, layers = decoding.trunk_step(model, t, s, record)
                 return post, experts, layers
 
             compiled = mx.compile(lambda s, t: trunk(s, t)[0], inputs=[model.state])
