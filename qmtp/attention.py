@@ -14,8 +14,6 @@ import mlx.nn as nn
 from .config import ModelConfig
 from .norms import RMSNorm
 
-KV_STEP = 256  # a cache's KV buffers grow by this many positions, so that a decode step rarely copies them
-
 
 class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -35,15 +33,6 @@ class GatedAttention(nn.Module):
         return mx.fast.rope(
             x, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
         )
-
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        """x [B, T, H] -> [B, T, H]: attention over x alone, or, with a `LayerCache`, over the positions it
-        holds and x (which it then holds too)."""
-        offset = cache.offset if cache is not None else 0
-        out, state = self.step(x, self.state_for(x, cache), mx.array(offset, mx.int32))
-        if cache is not None:
-            cache.update(state, x.shape[1])
-        return out
 
     def step(self, x: mx.array, buffers, offset: mx.array):
         """The mixer as a function of its state: x [B, T, H] at positions offset.. and KV buffers
@@ -78,21 +67,6 @@ class GatedAttention(nn.Module):
     def empty_state(self, batch: int, capacity: int, dtype) -> tuple[mx.array, mx.array]:
         shape = (batch, self.n_kv_heads, capacity, self.head_dim)
         return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-
-    def state_for(self, x: mx.array, cache) -> tuple[mx.array, mx.array]:
-        """The buffers to step x from: the cache's, grown (by KV_STEP) to hold x too, or, without a cache,
-        empty ones just long enough for x."""
-        B, T, _ = x.shape
-        if cache is None:
-            return self.empty_state(B, T, x.dtype)
-        end = cache.offset + T
-        capacity = -(-end // KV_STEP) * KV_STEP
-        if cache.state is None:
-            return self.empty_state(B, capacity, x.dtype)
-        if cache.state[0].shape[2] < end:
-            pad = [(0, 0), (0, 0), (0, capacity - cache.state[0].shape[2]), (0, 0)]
-            return tuple(mx.pad(b, pad) for b in cache.state)
-        return cache.state
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, L, H] at positions offset.. -> queries [B, H_q, L, D], keys and values [B, H_kv, L, D]
