@@ -14,8 +14,6 @@ import mlx.nn as nn
 from .config import ModelConfig
 from .norms import RMSNorm
 
-KV_STEP = 256  # a cache's KV buffers grow by this many positions, so that a decode step rarely copies them
-
 
 class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -36,29 +34,19 @@ class GatedAttention(nn.Module):
             x, self.rotary_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
         )
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        """x [B, T, H] -> [B, T, H]: attention over x alone, or, with a `LayerCache`, over the positions it
-        holds and x (which it then holds too)."""
-        offset = cache.offset if cache is not None else 0
-        out, state = self.step(x, self.state_for(x, cache), mx.array(offset, mx.int32))
-        if cache is not None:
-            cache.update(state, x.shape[1])
-        return out
-
     def step(self, x: mx.array, buffers, offsets: mx.array):
-        """The mixer as a function of its state: x [B, T, H], row b at positions offsets[b].. ([B] int32), and
-        KV buffers [B, H_kv, capacity, D] holding the positions before -> (output [B, T, H], the buffers with
-        x's keys and values written at each row's offset). Each row's queries are rotated from its own
-        position and its mask lets it read its own valid entries only, so the buffers' shape never depends on
-        how many positions a row holds."""
+        """The mixer as a function of its state: x [B, T, H], row b at positions offsets[b].. ([B] int32, or one
+        offset [] for every row), and KV buffers [B, H_kv, capacity, D] holding the positions before ->
+        (output [B, T, H], the buffers with x's keys and values written at each row's offset). Each row's
+        queries are rotated from its own position and its mask lets it read its own valid entries only, so
+        the buffers' shape never depends on how many positions a row holds."""
         keys, values = buffers
         B, T, capacity = x.shape[0], x.shape[1], keys.shape[2]
-        offsets = mx.broadcast_to(offsets, (B,))
-        if B == 1:  # one row: its keys and values are a slice at its offset, cheaper than a scatter
-            offset = offsets[0]
+        if offsets.ndim == 0 or B == 1:  # every row at one offset: a slice, cheaper than a scatter
+            offset = offsets.reshape(())
             q, k, v, gate = self.project(x, offset)
-            keys = mx.slice_update(keys, k.astype(keys.dtype), offsets, axes=(2,))
-            values = mx.slice_update(values, v.astype(values.dtype), offsets, axes=(2,))
+            keys = mx.slice_update(keys, k.astype(keys.dtype), offset.reshape(1), axes=(2,))
+            values = mx.slice_update(values, v.astype(values.dtype), offset.reshape(1), axes=(2,))
             visible = mx.arange(capacity)[None, :] <= (offset + mx.arange(T))[:, None]
         else:
             q, k, v, gate = self.project(x, offsets)
@@ -73,21 +61,6 @@ class GatedAttention(nn.Module):
     def empty_state(self, batch: int, capacity: int, dtype) -> tuple[mx.array, mx.array]:
         shape = (batch, self.n_kv_heads, capacity, self.head_dim)
         return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-
-    def state_for(self, x: mx.array, cache) -> tuple[mx.array, mx.array]:
-        """The buffers to step x from: the cache's, grown (by KV_STEP) to hold x too, or, without a cache,
-        empty ones just long enough for x."""
-        B, T, _ = x.shape
-        if cache is None:
-            return self.empty_state(B, T, x.dtype)
-        end = cache.offset + T
-        capacity = -(-end // KV_STEP) * KV_STEP
-        if cache.state is None:
-            return self.empty_state(B, capacity, x.dtype)
-        if cache.state[0].shape[2] < end:
-            pad = [(0, 0), (0, 0), (0, capacity - cache.state[0].shape[2]), (0, 0)]
-            return tuple(mx.pad(b, pad) for b in cache.state)
-        return cache.state
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """x [B, L, H] at positions offset.. -> queries [B, H_q, L, D], keys and values [B, H_kv, L, D]

@@ -176,15 +176,9 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate one safetensors header: (tensors, metadata). Reads no tensor data."""
-    path = Path(path)
-    with open_regular(path, what=".safetensors file") as f:
-        return _read_header_of(f, path)
-
-
 def _read_header_of(f, path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """`read_header` of the open file `f` (whose name is `path`), read from its start."""
+    """Parse and validate the safetensors header of the open file `f` (whose name is `path`), read from its
+    start: (tensors, metadata). Reads no tensor data."""
     try:
         size = os.fstat(f.fileno()).st_size
         f.seek(0)

@@ -79,22 +79,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, H, bias=False)
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        """x [B, T, H] -> [B, T, H]: from the empty state, or from a `LayerCache`'s (which then holds the new one)."""
-        out, state = self.step(x, self.state_for(x, cache))
-        if cache is not None:
-            cache.update(state, x.shape[1])
-        return out
-
     def empty_state(self, batch: int, dtype) -> tuple[mx.array, mx.array]:
         """No past: zero conv inputs [B, K-1, C] (in the activations' dtype) and S [B, Hv, Dk, Dv] (float32)."""
         return (mx.zeros((batch, self.kernel - 1, self.conv_dim), dtype),
                 mx.zeros((batch, self.n_v_heads, self.k_dim, self.v_dim), mx.float32))
-
-    def state_for(self, x: mx.array, cache) -> tuple[mx.array, mx.array]:
-        if cache is None or cache.state is None:
-            return self.empty_state(x.shape[0], x.dtype)
-        return cache.state
 
     def step(self, x: mx.array, state, record: bool = False):
         """The mixer as a function of its state: (x [B, T, H], (the last K-1 conv inputs, S)) -> (output, the

@@ -32,13 +32,11 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> GatedDeltaNet | GatedAttention:
         return self.linear_attn if self.kind == LINEAR else self.self_attn
 
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        """x [B, T, H] -> [B, T, H], over x alone or after the positions a `LayerCache` holds (which then holds
-        x's too); the experts chosen go to the MoE's logs."""
-        offset = cache.offset if cache is not None else 0
-        y, state, indices, logits = self.step(x, self.mixer.state_for(x, cache), mx.array(offset, mx.int32))
-        if cache is not None:
-            cache.update(state, x.shape[1])
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [B, T, H] from no past -> [B, T, H] (`Model.trunk`, the head's teacher-forced states); the experts
+        chosen go to the MoE's logs."""
+        B, T, _ = x.shape
+        y, _, indices, logits = self.step(x, self.empty_state(B, T, x.dtype), mx.array(0, mx.int32))
         self.mlp.log(indices, logits)
         return y
 

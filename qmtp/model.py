@@ -16,7 +16,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import LayerCache, ModelCache
 from .config import ModelConfig
 from .errors import QmtpError
 from .layer import DecoderLayer
@@ -58,7 +57,8 @@ def release_at_thread_exit() -> None:
 
 
 class Model(nn.Module):
-    """Trunk and MTP head. `model(tokens)` returns logits [B, T, vocab] like an mlx-lm model."""
+    """Trunk and MTP head. Decoding runs it through `qmtp.decoding`; `trunk` and `head_states` run it over whole
+    sequences from no past (what training and teacher-forced evaluation need)."""
 
     def __init__(self, config: ModelConfig, head: bool = True, head_routed_experts: bool = True):
         super().__init__()
@@ -80,12 +80,11 @@ class Model(nn.Module):
         self.lock = threading.RLock()
 
     # ---- trunk ------------------------------------------------------------------------------------------
-    def trunk(self, tokens: mx.array, cache: ModelCache | None = None) -> tuple[mx.array, mx.array]:
-        """tokens [B, T] -> (state before the final norm, h after it), both [B, T, H]."""
+    def trunk(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """tokens [B, T] from no past -> (state before the final norm, h after it), both [B, T, H]."""
         x = self.embed(tokens)
-        caches = cache.layers if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, caches):
-            x = layer(x, c)
+        for layer in self.layers:
+            x = layer(x)
         return x, self.norm(x)
 
     def embed(self, tokens: mx.array) -> mx.array:
@@ -100,14 +99,6 @@ class Model(nn.Module):
             return self.embed_tokens.as_linear(h)
         return self._lm_head_split(h) if self._lm_head_split else self.lm_head(h)
 
-    def __call__(self, tokens: mx.array, cache: ModelCache | None = None) -> mx.array:
-        return self.logits(self.trunk(tokens, cache)[1])
-
-    def hidden_states(self, tokens: mx.array, cache: ModelCache | None = None, prenorm: bool = False) -> mx.array:
-        """The trunk's output after the final norm (what lm_head scores), or before it with `prenorm`."""
-        pre, post = self.trunk(tokens, cache)
-        return pre if prenorm else post
-
     # ---- head -------------------------------------------------------------------------------------------
     def require_head(self) -> MTPHead:
         if self.mtp is None:
@@ -115,16 +106,9 @@ class Model(nn.Module):
             raise QmtpError(f"model{where} has no MTP head (no mtp.* tensors); it cannot draft")
         return self.mtp
 
-    def mtp_logits(self, tokens: mx.array, prenorm: bool = False) -> mx.array:
-        """Teacher-forced head logits [B, T-1, vocab]: position t from h_t and x_{t+1}, predicting x_{t+2}."""
-        return self.logits(self.head_states(self.hidden_states(tokens, prenorm=prenorm), tokens))
-
     def head_states(self, h: mx.array, tokens: mx.array) -> mx.array:
         """The head's output [B, T-1, H] from trunk states `h` [B, T, H] already computed for `tokens` [B, T]."""
         return self.require_head()(h[:, :-1], self.embed(tokens[:, 1:]))
-
-    def make_cache(self) -> ModelCache:
-        return ModelCache([LayerCache() for _ in self.layers], LayerCache() if self.mtp is not None else None)
 
     @property
     def dtype(self):

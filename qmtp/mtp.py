@@ -40,9 +40,10 @@ class MTPHead(nn.Module):
         """The input of the head's layer: fc over [normed embed(x_{t+1}), normed h_t], both [B, T, H]."""
         return self.fc(mx.concatenate([self.pre_fc_norm_embedding(next_embedding), self.pre_fc_norm_hidden(hidden)], axis=-1))
 
-    def __call__(self, hidden: mx.array, next_embedding: mx.array, cache=None) -> mx.array:
-        """hidden h_t and embed(x_{t+1}), both [B, T, H] -> the head's post-norm state [B, T, H]."""
-        return self.norm(self.layers[0](self.combine(hidden, next_embedding), cache))
+    def __call__(self, hidden: mx.array, next_embedding: mx.array) -> mx.array:
+        """hidden h_t and embed(x_{t+1}), both [B, T, H], from no past -> the head's post-norm state [B, T, H]
+        (teacher-forced; drafting runs its layer's `step` over the head's KV buffers: `qmtp.decoding`)."""
+        return self.norm(self.layers[0](self.combine(hidden, next_embedding)))
 
 
 # ---- ablations (the book measures what each costs in acceptance) ------------------------------------------

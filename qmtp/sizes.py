@@ -265,15 +265,6 @@ def per_rank_bytes(report: SizeReport, ranks: int) -> int:
     return report.total_bytes - routed + routed // ranks
 
 
-def fewest_ranks(report: SizeReport, machine_bytes: float, ranks=(1, 2, 4, 8), usable: float = 1.0) -> int | None:
-    """The smallest N in `ranks` whose per-rank weights fit in `usable` x `machine_bytes` (None if none does).
-
-    Weights only: the KV cache, activations, MLX's buffer cache and the operating system need the rest, which
-    is what `usable` < 1 leaves them. N must divide the number of experts (`parallel.ExpertShard`); the
-    family's 256 and 512 are divided by 1, 2, 4 and 8."""
-    return next((n for n in ranks if per_rank_bytes(report, n) <= usable * machine_bytes), None)
-
-
 # ---- memory per decoding row, and the largest batch that fits ---------------------------------------------
 RUNTIME_BYTES = 3 * 10**9  # assumed: the Python process, MLX's kernels and buffer cache, activations of a pass
 OS_SHARE = 0.25  # assumed: the share of a machine's memory the operating system and other programs keep

@@ -52,7 +52,7 @@ class Step:
 
 @dataclass
 class Stats:
-    n_draft: int | str  # "auto": chosen per step (see `widths`)
+    n_draft: int | str  # "auto": chosen per step (see `tokens_per_pass`)
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # the prompt's tokens run at the prefill: all but those a `PrefixCache` held
     generated: int = 0
@@ -76,13 +76,9 @@ class Stats:
         return sum(s.nonfinite_drafts for s in self.steps)
 
     @property
-    def widths(self) -> list[int]:
-        """Each step's n_draft (with "auto", the width chosen), which is its tokens per pass."""
-        return self.tokens_per_pass
-
-    @property
     def tokens_per_pass(self) -> list[int]:
-        """Tokens each pass ran through the trunk, the pending token and the drafts."""
+        """Tokens each pass ran through the trunk, the pending token and the drafts (each step's n_draft; with
+        "auto", the width chosen)."""
         return [1 + len(s.drafts) for s in self.steps]
 
     @property

@@ -48,7 +48,7 @@ def decode(out: Path, group, path=None) -> dict:
     for temperature in (0.0, 0.8):
         g = qmtp.generate(sharded, PROMPT, max_tokens=MAX_TOKENS, n_draft="auto", temperature=temperature, seed=SEED)
         found["tokens"][f"auto/{temperature}"] = g.tokens
-        found[f"auto_widths/{temperature}"] = g.stats.widths
+        found[f"auto_widths/{temperature}"] = g.stats.tokens_per_pass
         # the step costs each rank learned while decoding: rank 0's intervals, fed to every rank's planner
         found[f"auto_costs/{temperature}"] = [sorted(c.measured().items())
                                               for c in sharded.__dict__["_step_costs"].values()]

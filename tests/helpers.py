@@ -1,10 +1,18 @@
-"""Shared by the test files: one clear error, one line of it; editing safetensors files in place."""
+"""Shared by the test files: one clear error, one line of it; reading a safetensors header, editing the files in place."""
 
 import numpy as np
 import pytest
 
-from qmtp.checkpoint import DTYPES, read_header, write_safetensors
+from qmtp.checkpoint import DTYPES, Checkpoint, write_safetensors
 from qmtp.errors import QmtpError
+
+
+def read_header(path):
+    """One safetensors file's header as `Checkpoint` parses and validates it: (tensors, metadata); reads no
+    tensor data, and leaves the file closed."""
+    checkpoint = Checkpoint(path)
+    checkpoint.close()
+    return checkpoint.infos, checkpoint.metadata
 
 
 def expect(error_type, fn, *fragments) -> str:

@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import small_config
 import qmtp
 from qmtp import Sampling
 from qmtp.errors import UsageError
@@ -125,7 +126,7 @@ def test_bad_input_is_refused_naming_the_row(small_vocab_model, prompts, kwargs,
 def test_a_row_with_nonfinite_logits_ends_alone(tmp_path):
     from qmtp.tiny import synthetic
 
-    config = synthetic.small_config(vocab_size=4)
+    config = small_config(vocab_size=4)
     broken = qmtp.load(synthetic.write_checkpoint(tmp_path, config, dtype="F32", seed=11))
     table = broken.embed_tokens.weight
     broken.embed_tokens.weight = mx.where(mx.arange(table.shape[0])[:, None] == 3, mx.nan, table)

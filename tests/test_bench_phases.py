@@ -3,6 +3,7 @@ column once exceeded its "step" one, a median speed set beside phase totals over
 
 import pytest
 
+from conftest import small_config
 import qmtp
 from qmtp.book import bench
 from qmtp.tiny import synthetic
@@ -10,7 +11,7 @@ from qmtp.tiny import synthetic
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    config = synthetic.small_config(num_experts=16, num_experts_per_tok=4)
+    config = small_config(num_experts=16, num_experts_per_tok=4)
     return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("phases"), config, dtype="BF16", seed=2))
 
 

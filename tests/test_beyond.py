@@ -17,15 +17,12 @@ from qmtp.book.throughput import (
     Machine,
     parallel_head_seconds,
     parallel_pass_seconds,
-    parallel_predictions,
-    predicted_speedup,
 )
 from qmtp.config import QWEN36_35B_A3B as REAL
 from qmtp.parallel import ExpertShard
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = sizes.sizes(REAL, 4, mtp_bits=None)  # the head in bf16, as the book converts it
-RATES = [0.78, 0.59, 0.45, 0.34]
 MACHINE = Machine(published.M3_ULTRA.bandwidth)
 
 
@@ -81,14 +78,6 @@ def test_fit_rows_give_the_smallest_n_that_fits(runtime):
 
 
 # ---- the cost model with a link's latency (issue 27 item 7) -----------------------------------------------
-def test_one_machine_is_the_single_process_model():
-    """On one machine the N-machine model is chapter 6's predicted_speedup, whatever the latency (no all_sum)."""
-    rows = parallel_predictions(REAL, REPORT, RATES, MACHINE, 300e-6, ranks=(1,), n_drafts=range(1, 5), context=512)
-    for row in rows:
-        p = predicted_speedup(REAL, REPORT, RATES, row["n_draft"], MACHINE, context=512)
-        assert row["tokens_per_second"] == pytest.approx(p.tokens_per_second, rel=1e-9)
-
-
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("latency", [50e-6, 300e-6])
 def test_each_pass_pays_one_all_sum_per_moe_layer(ranks, latency):
@@ -100,20 +89,6 @@ def test_each_pass_pays_one_all_sum_per_moe_layer(ranks, latency):
     head = parallel_head_seconds(REAL, REPORT, ranks, MACHINE, latency) - parallel_head_seconds(
         REAL, REPORT, ranks, MACHINE, 0.0)
     assert head == pytest.approx(latency, rel=1e-9)  # the head's one MoE layer
-
-
-def test_a_step_costs_its_all_sums_exactly():
-    """tokens per step / tokens per second is the step's time: with latency x it grows by L x for the trunk
-    pass and x per head draft, at every n_draft."""
-    L, x = REAL.num_hidden_layers, 300e-6
-    slow = parallel_predictions(REAL, REPORT, RATES, MACHINE, x, ranks=(4,), n_drafts=range(1, 5))
-    free = parallel_predictions(REAL, REPORT, RATES, MACHINE, 0.0, ranks=(4,), n_drafts=range(1, 5))
-    from qmtp.adaptive import expected_tokens_per_pass
-
-    for a, b in zip(slow, free):
-        tau = expected_tokens_per_pass(RATES[: a["n_draft"] - 1])
-        assert tau / a["tokens_per_second"] - tau / b["tokens_per_second"] == pytest.approx(
-            L * x + (a["n_draft"] - 1) * x, rel=1e-6)
 
 
 def test_link_texts_do_not_call_the_latency_a_memory_access():

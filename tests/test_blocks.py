@@ -5,7 +5,8 @@ Random checkpoints from qmtp.tiny.synthetic at toy widths, in three shapes:
   * "mqa":   one KV head for all query heads, as many DeltaNet value heads as key heads (no repetition), top-1;
   * "wide":  no GQA (4 / 4), 1 key head shared by 4 value heads, Dk != Dv, conv kernel 3, half the head
              rotated, every expert selected (top-8 of 8), a full-attention layer first, tied embeddings.
-Tolerance: max |qmtp - reference| / max |reference| < 1e-4.
+Each mixer runs as a function of its state (`step`), the trunk by the decoding path (`qmtp.decoding.trunk_step`,
+through conftest's `run_trunk`). Tolerance: max |qmtp - reference| / max |reference| < 1e-4.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import pytest
 from mlx.utils import tree_unflatten
 
 import qmtp
-from qmtp.cache import LayerCache
+from conftest import mtp_logits, random_weights, run_trunk, small_config, trunk_logits, trunk_state
 from qmtp.config import FULL, LINEAR
 from qmtp.fixes import is_conv_kernel, is_zero_centred_norm
 from qmtp.norms import GatedRMSNorm, RMSNorm
-from qmtp.tiny.synthetic import random_weights, small_config, write_checkpoint
+from qmtp.tiny.synthetic import write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference as ref  # noqa: E402
@@ -179,56 +180,64 @@ def test_reference_delta_rule_writes_value():
 
 
 # ---- blocks one by one ----------------------------------------------------------------------------------------
+def attention_from_no_past(attn, x: mx.array) -> mx.array:
+    return attn.step(x, attn.empty_state(x.shape[0], x.shape[1], x.dtype), mx.array(0, mx.int32))[0]
+
+
+def deltanet_from_no_past(la, x: mx.array) -> mx.array:
+    return la.step(x, la.empty_state(x.shape[0], x.dtype))[0]
+
+
 def test_gated_attention(case):
     for i in case.layers_of(FULL):
-        got = case.model.layers[i].self_attn(mx.array(case.x))
+        got = attention_from_no_past(case.model.layers[i].self_attn, mx.array(case.x))
         want, _ = ref.gated_attention(case.w, f"layers.{i}.self_attn.", case.x, case.cfg)
         check("attention", got, want)
 
 
 def test_gated_attention_with_kv_cache(case):
-    """Chunks of 3, 1 and 3 tokens through a LayerCache equal the one-shot reference, keys included."""
+    """Chunks of 3, 1 and 3 tokens stepped over KV buffers (longer than they need) equal the one-shot reference,
+    keys included."""
     i = case.layers_of(FULL)[0]
     attn, prefix = case.model.layers[i].self_attn, f"layers.{i}.self_attn."
-    cache = LayerCache()
+    buffers = attn.empty_state(B, T + 5, mx.float32)
     full, (keys, values) = ref.gated_attention(case.w, prefix, case.x, case.cfg)
     past = None
     for a, b in ((0, 3), (3, 4), (4, 7)):
-        got = attn(mx.array(case.x[:, a:b]), cache)
+        got, buffers = attn.step(mx.array(case.x[:, a:b]), buffers, mx.array(a, mx.int32))
         want, past = ref.gated_attention(case.w, prefix, case.x[:, a:b], case.cfg, offset=a, past=past)
         check("attention (KV cache)", got, want)
         check("attention (KV cache)", got, full[:, a:b])
-    assert cache.offset == T
-    check("attention cached keys", cache.state[0][:, :, :T], keys)
-    check("attention cached keys", cache.state[1][:, :, :T], values)
+    check("attention cached keys", buffers[0][:, :, :T], keys)
+    check("attention cached keys", buffers[1][:, :, :T], values)
 
 
 def test_gated_deltanet(case):
     for i in case.layers_of(LINEAR):
-        got = case.model.layers[i].linear_attn(mx.array(case.x))
+        got = deltanet_from_no_past(case.model.layers[i].linear_attn, mx.array(case.x))
         want, _, _ = ref.gated_deltanet(case.w, f"layers.{i}.linear_attn.", case.x, case.cfg)
         check("deltanet", got, want)
 
 
 @pytest.mark.parametrize("chunks", [(3, 1, 3), (1, 1, 5)])
 def test_gated_deltanet_decode(case, chunks):
-    """Chunked decoding through a LayerCache: outputs, recurrent state and conv state match the reference."""
+    """Chunked decoding, each chunk stepped from the state the last left: outputs, recurrent state and conv state
+    match the reference."""
     i = case.layers_of(LINEAR)[0]
     la, prefix = case.model.layers[i].linear_attn, f"layers.{i}.linear_attn."
     full, _, _ = ref.gated_deltanet(case.w, prefix, case.x, case.cfg)
-    cache, conv, state, start = LayerCache(), None, None, 0
+    ours, conv, state, start = la.empty_state(B, mx.float32), None, None, 0
     for n in chunks:
         x = case.x[:, start:start + n]
-        got = la(mx.array(x), cache)
+        got, ours = la.step(mx.array(x), ours)
         want, conv, state = ref.gated_deltanet(case.w, prefix, x, case.cfg, conv, state)
         check("deltanet (decode)", got, want)
         check("deltanet (decode)", got, full[:, start:start + n])
         start += n
-        check("deltanet state", cache.state[1], state)
-        check("deltanet conv state", cache.state[0], conv)
-    assert cache.offset == T
+        check("deltanet state", ours[1], state)
+        check("deltanet conv state", ours[0], conv)
     c = case.cfg
-    assert cache.state[1].shape == (B, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    assert ours[1].shape == (B, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 def test_gated_deltanet_rewind(case):
@@ -287,36 +296,44 @@ def test_decoder_layers(case):
 
 # ---- trunk and head -------------------------------------------------------------------------------------------
 def test_trunk(case):
+    """The decoding path's trunk from no past, and `Model.trunk` (training's), against the reference."""
     tokens = mx.array(case.tokens)
     pre, post, logits = ref.trunk(case.w, case.tokens, case.cfg)
-    check("trunk logits", case.model(tokens), logits)
-    check("trunk hidden (post-norm)", case.model.hidden_states(tokens), post)
-    check("trunk hidden (pre-norm)", case.model.hidden_states(tokens, prenorm=True), pre)
+    got_pre, got_post, _ = run_trunk(case.model, tokens)
+    check("trunk logits", case.model.logits(got_post), logits)
+    check("trunk hidden (post-norm)", got_post, post)
+    check("trunk hidden (pre-norm)", got_pre, pre)
+    whole_pre, whole_post = case.model.trunk(tokens)
+    check("trunk hidden (post-norm)", whole_post, post)
+    check("trunk hidden (pre-norm)", whole_pre, pre)
 
 
 def test_trunk_decode_with_cache(case):
-    """Prefill 4 tokens, then 1, then 2, through the model's cache: same logits as the one-shot reference."""
+    """Prefill 4 tokens, then 1, then 2, by the decoding path over one state: the one-shot reference's logits."""
     _, _, logits = ref.trunk(case.w, case.tokens, case.cfg)
-    cache = case.model.make_cache()
+    state = trunk_state(case.model, B, T + 5)
     for a, b in ((0, 4), (4, 5), (5, 7)):
-        check("trunk logits (decode)", case.model(mx.array(case.tokens[:, a:b]), cache), logits[:, a:b])
-    assert cache.offset == T
+        _, post, state = run_trunk(case.model, mx.array(case.tokens[:, a:b]), state)
+        check("trunk logits (decode)", case.model.logits(post), logits[:, a:b])
+    assert state["offset"].item() == T
 
 
 def test_mtp_head(case):
-    check("mtp logits", case.model.mtp_logits(mx.array(case.tokens)), ref.mtp_logits(case.w, case.tokens, case.cfg))
+    check("mtp logits", mtp_logits(case.model, mx.array(case.tokens)), ref.mtp_logits(case.w, case.tokens, case.cfg))
 
 
 def test_mtp_head_with_cache(case):
-    """The head run in chunks over its own KV cache equals the teacher-forced reference state."""
+    """The head's layer stepped in chunks over its own KV buffers equals the teacher-forced reference state."""
     _, h, _ = ref.trunk(case.w, case.tokens, case.cfg)
     emb = case.w["embed_tokens.weight"][case.tokens[:, 1:]]
     want, _ = ref.mtp_state(case.w, h[:, :-1], emb, case.cfg)
-    h_mx = case.model.hidden_states(mx.array(case.tokens))[:, :-1]
+    head = case.model.mtp
+    h_mx = run_trunk(case.model, mx.array(case.tokens))[1][:, :-1]
     e_mx = case.model.embed_tokens(mx.array(case.tokens[:, 1:]))
-    cache = LayerCache()
+    buffers = head.layers[0].empty_state(B, T, mx.float32)
     for a, b in ((0, 3), (3, 4), (4, 6)):
-        check("mtp state (KV cache)", case.model.mtp(h_mx[:, a:b], e_mx[:, a:b], cache), want[:, a:b])
+        z, buffers, _, _ = head.layers[0].step(head.combine(h_mx[:, a:b], e_mx[:, a:b]), buffers, mx.array(a, mx.int32))
+        check("mtp state (KV cache)", head.norm(z), want[:, a:b])
 
 
 # ---- the load-time fixes ----------------------------------------------------------------------------------------
@@ -344,7 +361,7 @@ def test_raw_model_differs_from_fixed(case):
                                 case.cfg, FULL)
     check("raw full-attn layer", raw_out, want)
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
-        mx.eval(raw(mx.array(case.tokens)))
+        mx.eval(trunk_logits(raw, mx.array(case.tokens)))
 
 
 def test_conv_fix_only_is_the_unshifted_model(case):
@@ -354,8 +371,8 @@ def test_conv_fix_only_is_the_unshifted_model(case):
         m = qmtp.load(case.path, fixes=("conv",))
     assert m.fixes_applied == ("conv",)
     tokens = mx.array(case.tokens)
-    got = np.array(m(tokens))
-    assert rel_err(got, np.array(case.model(tokens))) > 0.05
+    got = np.array(trunk_logits(m, tokens))
+    assert rel_err(got, np.array(trunk_logits(case.model, tokens))) > 0.05
     _, _, want = ref.trunk(effective_weights(case.cfg, shift_norms=False), case.tokens, case.cfg)
     check("trunk logits (no norm fix)", got, want)
 
@@ -371,11 +388,11 @@ def test_norm_fix_only_fails_loudly_at_forward(case):
         assert m.layers[i].linear_attn.conv1d["weight"].shape == (C, 1, K)
     tokens = mx.array(case.tokens)
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
-        mx.eval(m(tokens))
+        mx.eval(trunk_logits(m, tokens))
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
-        mx.eval(m.mtp_logits(tokens))
+        mx.eval(mtp_logits(m, tokens))
     with pytest.raises(ValueError, match=_conv_error(case.cfg)):
-        mx.eval(m.layers[case.layers_of(LINEAR)[0]].linear_attn(mx.array(case.x[:, :1]), LayerCache()))
+        mx.eval(deltanet_from_no_past(m.layers[case.layers_of(LINEAR)[0]].linear_attn, mx.array(case.x[:, :1])))
     i_full = case.layers_of(FULL)[0]
     x = mx.array(case.x)
     assert rel_err(np.array(m.layers[i_full](x)), np.array(case.model.layers[i_full](x))) == 0.0

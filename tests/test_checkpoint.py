@@ -15,12 +15,13 @@ import pytest
 
 import mlx.core as mx
 
-from helpers import expect, rewrite
+from helpers import expect, read_header, rewrite
+from conftest import mtp_logits, small_config, trunk_logits
 import qmtp
 from qmtp import fixes as fixes_mod
 from qmtp import layout
 from qmtp.tiny import synthetic
-from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header, write_safetensors
+from qmtp.checkpoint import INDEX_NAME, Checkpoint, write_safetensors
 from qmtp.errors import (
     CheckpointError,
     ConfigError,
@@ -30,7 +31,7 @@ from qmtp.errors import (
     UsageError,
 )
 
-CONFIG = synthetic.small_config()
+CONFIG = small_config()
 SEED = 7
 TOKENS = mx.array([[5, 17, 3, 88, 41, 2, 60, 9, 33, 71, 12, 50]])
 VISION = "model.visual.blocks.0.attn.qkv.weight"
@@ -89,7 +90,7 @@ def released(tmp_path_factory):
 def baseline(released):
     """Logits and head logits of the released layout, the reference for every other way of loading it."""
     model = qmtp.load(released)
-    return np.array(model(TOKENS)), np.array(model.mtp_logits(TOKENS))
+    return np.array(trunk_logits(model, TOKENS)), np.array(mtp_logits(model, TOKENS))
 
 
 @pytest.fixture
@@ -268,8 +269,8 @@ def test_file_cut_after_listing_fails_on_load_naming_the_tensor(fresh):
 def test_every_layout_loads_to_identical_logits(tmp_path, baseline, layout_name, shards):
     model = qmtp.load(write(tmp_path, layout=layout_name, shards=shards))
     logits, head_logits = baseline
-    np.testing.assert_array_equal(np.array(model(TOKENS)), logits)
-    np.testing.assert_array_equal(np.array(model.mtp_logits(TOKENS)), head_logits)
+    np.testing.assert_array_equal(np.array(trunk_logits(model, TOKENS)), logits)
+    np.testing.assert_array_equal(np.array(mtp_logits(model, TOKENS)), head_logits)
     assert model.mtp.has_routed_experts
 
 
@@ -315,7 +316,7 @@ def test_vision_tensors_are_skipped(tmp_path, baseline, shards):
     assert p.skipped == [VISION] and p.unknown == []
     assert VISION not in {s for r in p.recipes.values() for s in r.sources}
     model = qmtp.load(path)
-    np.testing.assert_array_equal(np.array(model(TOKENS)), baseline[0])
+    np.testing.assert_array_equal(np.array(trunk_logits(model, TOKENS)), baseline[0])
 
 
 def test_head_experts_fused_are_mapped_too(tmp_path, baseline):
@@ -323,7 +324,7 @@ def test_head_experts_fused_are_mapped_too(tmp_path, baseline):
     assert "mtp.layers.0.mlp.experts.gate_up_proj" in Checkpoint(path)
     assert sum(n.startswith("mtp.") for n in Checkpoint(path).names()) == n_head_tensors(CONFIG, one_by_one=False)
     model = qmtp.load(path)
-    np.testing.assert_array_equal(np.array(model.mtp_logits(TOKENS)), baseline[1])
+    np.testing.assert_array_equal(np.array(mtp_logits(model, TOKENS)), baseline[1])
 
 
 # ---- the head: present, crippled, absent --------------------------------------------------------------------------
@@ -335,7 +336,7 @@ def test_head_without_routed_experts_loads_with_a_warning(tmp_path):
         model = qmtp.load(path)
     assert len(record) == 1 and str(path) in str(record[0].message)
     assert model.mtp is not None and not model.mtp.has_routed_experts
-    assert model.mtp_logits(TOKENS).shape == (1, TOKENS.shape[1] - 1, CONFIG.vocab_size)
+    assert mtp_logits(model, TOKENS).shape == (1, TOKENS.shape[1] - 1, CONFIG.vocab_size)
     assert "shared expert only" in repr(model)
 
 
@@ -351,15 +352,14 @@ def test_checkpoint_without_head(tmp_path, baseline):
     assert not any(n.startswith("mtp.") for n in Checkpoint(path).names())
     model = qmtp.load(path)
     assert model.mtp is None
-    np.testing.assert_array_equal(np.array(model(TOKENS)), baseline[0])
-    expect(QmtpError, lambda: model.mtp_logits(TOKENS), path, "no MTP head")
-    assert model.make_cache().head is None
+    np.testing.assert_array_equal(np.array(trunk_logits(model, TOKENS)), baseline[0])
+    expect(QmtpError, lambda: mtp_logits(model, TOKENS), path, "no MTP head")
 
 
 def test_load_without_head_on_request(released, baseline):
     model = qmtp.load(released, head=False)
     assert model.mtp is None
-    np.testing.assert_array_equal(np.array(model(TOKENS)), baseline[0])
+    np.testing.assert_array_equal(np.array(trunk_logits(model, TOKENS)), baseline[0])
 
 
 # ---- the fixes ------------------------------------------------------------------------------------------------------
@@ -380,11 +380,11 @@ def test_raw_load_differs_from_fixed_load(released, baseline):
     # With the raw [C, 1, K] kernel MLX's conv1d refuses to run (load() keeps it so the chapter on the fixes
     # can show that error); with the conv fix only, the logits differ from the fully fixed model's.
     with pytest.raises(ValueError):
-        mx.eval(raw(TOKENS))
+        mx.eval(trunk_logits(raw, TOKENS))
     with pytest.warns(UserWarning, match="without the 'norm' fix"):
         only_conv = qmtp.load(released, fixes=("conv",))
     assert only_conv.fixes_applied == ("conv",)
-    assert not np.allclose(np.array(only_conv(TOKENS)), baseline[0], atol=1e-3)
+    assert not np.allclose(np.array(trunk_logits(only_conv, TOKENS)), baseline[0], atol=1e-3)
 
 
 def test_unknown_fix_name(released):
@@ -694,7 +694,7 @@ def test_unmapped_tensors_are_reported_not_loaded(fresh, baseline):
     rewrite(fresh / "model.safetensors", add={f"{P}layers.0.mystery.weight": ("F32", (4,))})
     p = layout.plan(Checkpoint(fresh), CONFIG)
     assert p.unknown == [f"{P}layers.0.mystery.weight"]
-    np.testing.assert_array_equal(np.array(qmtp.load(fresh)(TOKENS)), baseline[0])
+    np.testing.assert_array_equal(np.array(trunk_logits(qmtp.load(fresh), TOKENS)), baseline[0])
 
 
 def test_quantized_checkpoint_is_refused(fresh):
@@ -743,4 +743,4 @@ def test_copy_of_a_checkpoint_loads_the_same(tmp_path, released, baseline):
     """Nothing in a checkpoint refers to its own absolute path."""
     copy = tmp_path / "copy"
     shutil.copytree(released, copy)
-    np.testing.assert_array_equal(np.array(qmtp.load(copy)(TOKENS)), baseline[0])
+    np.testing.assert_array_equal(np.array(trunk_logits(qmtp.load(copy), TOKENS)), baseline[0])

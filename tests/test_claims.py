@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import small_config
 from qmtp.book import claims, outside_build, published, results, throughput
 from qmtp.tiny import synthetic
 from qmtp.config import QWEN36_35B_A3B
@@ -113,12 +114,12 @@ def test_real_model_figures_are_judged_only_on_the_real_model():
     saved["05_mtp_decoding"]["acceptance"]["2"] = 0.77
     assert verdicts(saved, real_model=True)[claim("acceptance_n_draft_2")] == claims.HOLDS
     assert claims.is_real_model(QWEN36_35B_A3B)
-    assert not claims.is_real_model(synthetic.small_config())
+    assert not claims.is_real_model(small_config())
 
 
 def test_results_round_trip_per_model(tmp_path, monkeypatch):
     monkeypatch.setenv(results.ENV, str(tmp_path / "store"))
-    other = synthetic.write_checkpoint(tmp_path / "other", synthetic.small_config())
+    other = synthetic.write_checkpoint(tmp_path / "other", small_config())
     with pytest.raises(results.MissingResultsError, match="run that chapter first"):
         results.load("02_fixes", BUNDLED_MODEL)
     results.save("02_fixes", BUNDLED_MODEL, {"x": 1})

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
+from conftest import small_config
 import qmtp
 from qmtp.tiny import synthetic
 from qmtp.config import FULL, LINEAR, ModelConfig
 from qmtp.errors import ConfigError
 
-SMALL = synthetic.small_config()
+SMALL = small_config()
 
 
 def write_json(tmp_path, raw):

@@ -150,7 +150,7 @@ def test_a_state_the_head_fell_behind_resumes_from_a_snapshot(model, monkeypatch
     monkeypatch.setattr(speculative, "DraftPlanner", GivesUp)
     conversation = qmtp.Conversation(model, raw=True, n_draft="auto", max_tokens=MAX_TOKENS, stop_at_eos=False)
     first = conversation.send("Once upon a time")
-    assert first.stats.widths[0] == 3 and first.stats.widths[-1] == 1 and conversation.cache.pending is None
+    assert first.stats.tokens_per_pass[0] == 3 and first.stats.tokens_per_pass[-1] == 1 and conversation.cache.pending is None
     second = conversation.send(" The fox said")
     assert second.tokens == fresh(model, second, conversation, 1).tokens
     assert second.stats.prefilled_tokens == len(second.prompt_tokens) - len(first.prompt_tokens)

@@ -15,18 +15,19 @@ import pytest
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from helpers import expect, one_line_error, relative_error, rewrite
+from helpers import expect, one_line_error, read_header, relative_error, rewrite
+from conftest import mtp_logits, small_config, trunk_logits
 import qmtp
 from qmtp import cli, layout
 from qmtp.tiny import synthetic
 from qmtp import convert as convert_mod
-from qmtp.checkpoint import INDEX_NAME, Checkpoint, read_header
+from qmtp.checkpoint import INDEX_NAME, Checkpoint
 from qmtp.convert import convert
 from qmtp.errors import CheckpointError, ConfigError, IncompleteHeadError, QmtpError, UsageError
 from qmtp.moe import QuantizedStackedLinear, StackedLinear
 from qmtp.sizes import sizes
 
-CONFIG = synthetic.small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+CONFIG = small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 SEED = 5
 TOKENS = mx.array([[5, 17, 3, 88, 41, 2, 60, 9, 33, 71, 12, 50, 8, 1, 94, 27, 30, 61, 7, 44]])
 LONG = mx.array([[(7 * i + 3) % CONFIG.vocab_size for i in range(48)]])  # 96 token-expert pairs: the sorted path
@@ -104,8 +105,8 @@ def test_converted_model_computes_what_its_widths_say(source, tmp_path, bits, gr
     expected, widths = dequantized_reference(source, dst)
     assert widths  # something was quantized
     for tokens in (TOKENS, LONG):  # experts gathered token by token, then sorted by expert
-        assert relative_error(model(tokens), expected(tokens)) < 1e-4
-        assert relative_error(model.mtp_logits(tokens), expected.mtp_logits(tokens)) < 1e-4
+        assert relative_error(trunk_logits(model, tokens), trunk_logits(expected, tokens)) < 1e-4
+        assert relative_error(mtp_logits(model, tokens), mtp_logits(expected, tokens)) < 1e-4
 
 
 def mean_relative_error(a, b) -> float:
@@ -119,14 +120,14 @@ def test_logits_approach_the_unconverted_model_as_the_width_grows(source, conver
     (2% error per weight) moves the logits by a third, and a small change in a router logit swaps an expert.
     Exactness is `test_converted_model_computes_what_its_widths_say`'s job.
     """
-    theirs = np.array(reference(TOKENS))
-    ours = np.array(qmtp.load(converted)(TOKENS))
+    theirs = np.array(trunk_logits(reference, TOKENS))
+    ours = np.array(trunk_logits(qmtp.load(converted), TOKENS))
     assert mean_relative_error(ours, theirs) < 0.12
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.75
     errors = [mean_relative_error(ours, theirs)]
     for bits in (4, 2):
         dst = quiet_convert(source, tmp_path / f"q{bits}", bits=bits, group_size=32).path
-        errors.append(mean_relative_error(qmtp.load(dst)(TOKENS), theirs))
+        errors.append(mean_relative_error(trunk_logits(qmtp.load(dst), TOKENS), theirs))
     assert errors == sorted(errors) and errors[-1] > 0.5
 
 
@@ -247,7 +248,7 @@ def test_mlx_lm_opens_the_conversion_and_agrees(source, tmp_path, kwargs):
     theirs, config = mlx_lm_utils.load_model(dst)
     assert config["quantization"]["bits"] == kwargs["bits"]
     ours = qmtp.load(dst)
-    assert relative_error(ours(TOKENS), theirs(TOKENS).astype(mx.float32)) < 1e-4
+    assert relative_error(trunk_logits(ours, TOKENS), theirs(TOKENS).astype(mx.float32)) < 1e-4
     # mlx-lm drops the head; qmtp keeps it
     assert not any(k.startswith("mtp") for k, _ in tree_flatten(theirs.parameters()))
     assert ours.mtp is not None
@@ -289,7 +290,7 @@ def test_qmtp_loads_an_mlx_lm_quantized_model(source, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     ours = qmtp.load(out)  # mlx-lm dropped the head: loaded without one
     assert ours.mtp is None and ours.fixes_applied == ("norm", "conv")
-    assert relative_error(ours(TOKENS), model(TOKENS)) < 1e-4
+    assert relative_error(trunk_logits(ours, TOKENS), model(TOKENS)) < 1e-4
     expect(UsageError, lambda: quiet_convert(out, tmp_path / "again"), out, "already converted")
 
 
@@ -381,10 +382,10 @@ def test_shards_write_an_index_and_load(source, tmp_path):
         if name.endswith((".scales", ".biases")):
             assert index["weight_map"][name[: -len(".scales")] + ".weight"] == file
     assert index["metadata"]["total_size"] == sum(header_bytes(single).values())
-    np.testing.assert_array_equal(np.array(qmtp.load(sharded)(TOKENS)), np.array(qmtp.load(single)(TOKENS)))
+    np.testing.assert_array_equal(np.array(trunk_logits(qmtp.load(sharded), TOKENS)), np.array(trunk_logits(qmtp.load(single), TOKENS)))
     mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
     theirs, _ = mlx_lm_utils.load_model(sharded)
-    assert relative_error(theirs(TOKENS), np.array(qmtp.load(single)(TOKENS))) < 1e-4
+    assert relative_error(theirs(TOKENS), np.array(trunk_logits(qmtp.load(single), TOKENS))) < 1e-4
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from qmtp.tiny import corpus
-from qmtp.tiny.corpus import REGISTERS, document, generate, iter_documents, iter_text, splits
+from qmtp.tiny.corpus import REGISTERS, document, generate, iter_documents, splits
 from qmtp.errors import UsageError
 
 # sha256 over generate(40, seed=123). If this changes and you did not edit the templates or word
@@ -62,8 +62,7 @@ def test_register_subset():
     assert {reg for reg, _ in docs} == {"arithmetic", "story"}
 
 
-def test_iter_text_matches_generate():
-    assert list(iter_text(30, seed=4)) == [t for _, t in generate(30, seed=4)]
+def test_iter_documents_matches_generate():
     assert list(iter_documents(30, seed=4)) == generate(30, seed=4)
 
 
@@ -172,7 +171,7 @@ def test_zero_documents():
         (lambda: generate(5, seed="x"), "seed must be an integer"),
         (lambda: splits(n_train=-3), "n_train must be >= 0"),
         (lambda: splits(n_heldout=-1), "n_heldout must be >= 0"),
-        (lambda: iter_text(-2), "n_documents must be >= 0"),
+        (lambda: iter_documents(-2), "n_documents must be >= 0"),
     ],
 )
 def test_bad_input_raises_usage_error(call, fragment):
@@ -188,7 +187,7 @@ def test_unknown_register_message_lists_known_ones():
 
 def test_generation_is_fast():
     t0 = time.perf_counter()
-    n_bytes = sum(len(t) for t in iter_text(3000, seed=17))
+    n_bytes = sum(len(t) for _, t in iter_documents(3000, seed=17))
     rate = n_bytes / (time.perf_counter() - t0) / 1e6
     # ~5 MB/s on one core of the build machine; the bound only catches gross slowdowns.
     assert rate > 0.5, f"{rate:.2f} MB/s"

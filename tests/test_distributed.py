@@ -258,15 +258,3 @@ def test_per_rank_bytes_are_the_bytes_a_rank_holds(ranks):
     if ranks > 1:
         parallel.hold_experts(model, SimpleNamespace(held=config.num_experts // ranks))
     assert loaded_bytes(model, mx.float32) == sizes.per_rank_bytes(report, ranks)
-
-
-def test_fewest_ranks_is_the_smallest_n_whose_share_fits():
-    from qmtp import sizes
-    from qmtp.config import QWEN36_35B_A3B
-
-    report = sizes.sizes(QWEN36_35B_A3B, bits=4)
-    one, two = sizes.per_rank_bytes(report, 1), sizes.per_rank_bytes(report, 2)
-    assert two < one
-    assert sizes.fewest_ranks(report, one) == 1
-    assert sizes.fewest_ranks(report, (one + two) / 2) == 2
-    assert sizes.fewest_ranks(report, sizes.per_rank_bytes(report, 8) - 1) is None

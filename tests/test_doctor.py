@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
+from conftest import small_config
 from qmtp import cli, quant
 from qmtp.tiny import synthetic
 from qmtp import source as source_mod
@@ -13,7 +14,7 @@ from qmtp.checkpoint import Checkpoint
 from qmtp.convert import convert
 from helpers import one_line_error, rewrite
 
-CONFIG = synthetic.small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+CONFIG = small_config(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
 def write(path, **kwargs):

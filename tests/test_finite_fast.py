@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import expect
+from conftest import small_config
 from qmtp.checkpoint import Checkpoint
 from qmtp.convert import convert
 from qmtp.errors import NonFiniteWeightError
@@ -35,7 +36,7 @@ LARGE = {"BF16": 3.0e38, "F16": 6.0e4, "F32": 3.0e38}  # finite, but two of them
 @pytest.fixture(scope="module", params=["BF16", "F16", "F32"])
 def source(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"finite_fast_{request.param}") / "src"
-    return synthetic.write_checkpoint(path, synthetic.small_config(), dtype=request.param, seed=4)
+    return synthetic.write_checkpoint(path, small_config(), dtype=request.param, seed=4)
 
 
 def poke(path, name: str, element: int, value: float) -> None:

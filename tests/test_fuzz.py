@@ -1,8 +1,8 @@
 """Fuzzing the safetensors header reader: no byte string may crash it, hang it or make it allocate.
 
-Whatever is on disk, `read_header` either parses it into consistent `TensorInfo`s or raises ONE
-`CheckpointError` naming the file; `read_tensor` on what it returned never reads past the file; a mutated
-real checkpoint makes `Checkpoint` / `qmtp.load` work or fail with a `QmtpError`.
+Whatever is on disk, `Checkpoint`'s header parser (helpers' `read_header`) either parses it into consistent
+`TensorInfo`s or raises ONE `CheckpointError` naming the file; `read_tensor` on what it returned never reads past
+the file; a mutated real checkpoint makes `Checkpoint` / `qmtp.load` work or fail with a `QmtpError`.
 
 The default budget keeps this file under 20 s on a small, busy CI machine and is deterministic
 (`derandomize=True`, no example database), so CI results never depend on a previous run: the same source
@@ -31,10 +31,12 @@ from hypothesis import HealthCheck, currently_in_test_context, example, given, s
 from hypothesis import event as _event
 from hypothesis import strategies as st
 
+from conftest import small_config
+from helpers import read_header
 import qmtp
 from qmtp import checkpoint as ckpt_mod
 from qmtp.tiny import synthetic
-from qmtp.checkpoint import DTYPES, MAX_HEADER_BYTES, Checkpoint, read_header, read_tensor
+from qmtp.checkpoint import DTYPES, MAX_HEADER_BYTES, Checkpoint, read_tensor
 from qmtp.errors import CheckpointError, QmtpError
 
 # ---- budget ------------------------------------------------------------------------------------------------
@@ -416,7 +418,7 @@ def test_valid_zero_size_and_scalar_tensors_still_parse(scratch):
 # ---- 3. mutations of a real checkpoint --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_checkpoint(scratch):
-    source = synthetic.write_checkpoint(scratch / "real", synthetic.small_config())
+    source = synthetic.write_checkpoint(scratch / "real", small_config())
     file = source / "model.safetensors"
     blob = file.read_bytes()
     (header_len,) = struct.unpack("<Q", blob[:8])
@@ -654,7 +656,7 @@ names_strategy = st.one_of(names, st.sampled_from(["../x.safetensors", "/etc/pas
 
 
 def test_index(scratch):
-    source = synthetic.write_checkpoint(scratch / "sharded", synthetic.small_config(), shards=2)
+    source = synthetic.write_checkpoint(scratch / "sharded", small_config(), shards=2)
     weight_map = json.loads((source / ckpt_mod.INDEX_NAME).read_text())["weight_map"]
     original = (source / ckpt_mod.INDEX_NAME).read_text()
 

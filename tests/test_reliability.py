@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import helpers
+from conftest import small_config
 import qmtp
 from helpers import rewrite
 from qmtp import cache as cache_mod
@@ -37,7 +38,7 @@ from qmtp.tokenizer import save, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 300  # the trained tokenizer's size, and so the synthetic model's
-CONFIG = synthetic.small_config(vocab_size=VOCAB)
+CONFIG = small_config(vocab_size=VOCAB)
 P = "model.language_model."  # the released trunk prefix
 UP = P + "layers.1.mlp.shared_expert.up_proj.weight"  # [24, 32] in CONFIG
 PROMPT = "Once upon a time"
@@ -75,7 +76,7 @@ def tree_digest(directory: Path) -> dict[str, str]:
 # ---- checkpoints --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = train_bpe(corpus.iter_text(300, seed=0), vocab_size=VOCAB)
+    tok = train_bpe((t for _, t in corpus.iter_documents(300, seed=0)), vocab_size=VOCAB)
     assert tok.get_vocab_size() == VOCAB
     return tok
 
@@ -298,7 +299,7 @@ def test_a_model_without_head_cannot_draft(make, kind):
     if kind == "head tensors absent":
         path = make("headless", head=False)
     else:
-        path = make("no_mtp", config=synthetic.small_config(vocab_size=VOCAB, mtp_num_hidden_layers=0))
+        path = make("no_mtp", config=small_config(vocab_size=VOCAB, mtp_num_hidden_layers=0))
     print(f"{kind}: {one_line_error(chat(path, '--use-mtp'), path, 'no MTP head', 'cannot draft')}")
     plain = chat(path)
     assert plain.returncode == 0 and re.fullmatch(r"\[\d tokens.*\]", lines(plain.stderr)[0]), plain.stderr
@@ -351,7 +352,7 @@ def test_chat_with_a_corrupt_tokenizer(make):
 def test_chat_with_another_models_tokenizer(make, tokenizer):
     """A tokenizer larger than the model's vocabulary: its ids would index past the embedding (a crash); refused
     at load, before any prompt."""
-    path = make("small_vocab", config=synthetic.small_config(), tokenizer_files=False)  # vocab 97
+    path = make("small_vocab", config=small_config(), tokenizer_files=False)  # vocab 97
     save(tokenizer, path)
     print(one_line_error(chat(path), path, f"tokenizer.json has {VOCAB} ids", "vocabulary has 97", "another model's"))
 
@@ -409,7 +410,7 @@ def test_error_after_a_warning_is_still_one_line(crippled):
 @pytest.fixture(scope="module")
 def short_context(make):
     """A model with a 32-position context, to check the context arithmetic exactly."""
-    path = make("short", config=synthetic.small_config(vocab_size=VOCAB, max_position_embeddings=32),
+    path = make("short", config=small_config(vocab_size=VOCAB, max_position_embeddings=32),
                 tokenizer_files=False)
     return qmtp.load(path)
 
@@ -502,7 +503,7 @@ def test_a_run_killed_between_the_renames_is_cleaned_up_by_the_next(good, conver
     assert tree_digest(tmp_path / "out") == tree_digest(converted)
 
 
-BIG = synthetic.small_config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=16, num_experts=64,
+BIG = small_config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=16, num_experts=64,
                              moe_intermediate_size=64, shared_expert_intermediate_size=128)
 TRIALS = 6
 
@@ -849,7 +850,7 @@ def test_tied_embeddings_with_a_stored_lm_head_say_so(make):
 
 
 def test_a_tokenizer_much_smaller_than_the_embedding_warns(make, tokenizer):
-    path = make("wide_embedding", config=synthetic.small_config(vocab_size=5000), tokenizer_files=False)
+    path = make("wide_embedding", config=small_config(vocab_size=5000), tokenizer_files=False)
     save(tokenizer, path)
     result = chat(path)
     warning = [line for line in lines(result.stderr) if line.startswith("qmtp: warning: ")]

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import trunk_logits
 import qmtp
 from qmtp import Sampling
 from qmtp.errors import UsageError
@@ -63,7 +64,7 @@ def sequence_law(model, prompt, s: Sampling, length: int = 3):
     for _ in range(length):
         longer = {}
         for seq, prob in law.items():
-            logits = model(mx.array([prompt + list(seq)]))[0, -1].astype(mx.float32).tolist()
+            logits = trunk_logits(model, mx.array([prompt + list(seq)]))[0, -1].astype(mx.float32).tolist()
             p, gap = reference_probs(logits, prompt, seq, s)
             smallest_gap = min(smallest_gap, gap)
             longer.update({seq + (t,): prob * p[t] for t in range(vocab)})
@@ -139,7 +140,7 @@ def test_plain_sampling_follows_the_reference_law_too(small_vocab_model, accepta
 def reference_greedy(model, prompt, s: Sampling, max_tokens: int) -> list[int]:
     out = []
     for _ in range(max_tokens):
-        logits = model(mx.array([prompt + out]))[0, -1].astype(mx.float32).tolist()
+        logits = trunk_logits(model, mx.array([prompt + out]))[0, -1].astype(mx.float32).tolist()
         p, _ = reference_probs(logits, prompt, out, Sampling(**{**vars(s), "temperature": 0.0}))
         out.append(int(np.argmax(p)))
     return out

@@ -9,7 +9,7 @@ from qmtp.config import QWEN36_35B_A3B
 from qmtp.errors import UsageError
 from qmtp.layout import expected_shapes
 from qmtp.sizes import CATEGORIES, UNQUANTIZED, parameter_counts, quantized_bytes, sizes
-from qmtp.tiny.synthetic import small_config
+from conftest import small_config
 
 REAL = QWEN36_35B_A3B
 

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import small_config, trunk_logits
 import qmtp
 from qmtp import adaptive, chat
 from qmtp.tiny import synthetic
@@ -15,13 +16,13 @@ from qmtp.errors import QmtpError, UsageError
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
     """A random model over 4 tokens: random drafts are accepted often enough to hit every rollback length."""
-    config = synthetic.small_config(vocab_size=4)
+    config = small_config(vocab_size=4)
     return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v4"), config, dtype="F32", seed=11))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    config = synthetic.small_config()
+    config = small_config()
     return qmtp.load(synthetic.write_checkpoint(tmp_path_factory.mktemp("v97"), config, dtype="F32", seed=5))
 
 
@@ -71,9 +72,9 @@ def sequence_law(model, prompt, temperature):
     """Exact trunk probability of every 2-token continuation, by enumeration."""
     V = model.config.vocab_size
     law = {}
-    first = mx.softmax(model(mx.array([prompt]))[0, -1] / temperature).tolist()
+    first = mx.softmax(trunk_logits(model, mx.array([prompt]))[0, -1] / temperature).tolist()
     for a in range(V):
-        second = mx.softmax(model(mx.array([prompt + [a]]))[0, -1] / temperature).tolist()
+        second = mx.softmax(trunk_logits(model, mx.array([prompt + [a]]))[0, -1] / temperature).tolist()
         for b in range(V):
             law[(a, b)] = first[a] * second[b]
     return law
@@ -120,7 +121,7 @@ def test_bad_arguments_are_usage_errors(small_vocab_model):
 
 
 def test_a_model_without_head_cannot_draft(tmp_path):
-    path = synthetic.write_checkpoint(tmp_path, synthetic.small_config(), head=False)
+    path = synthetic.write_checkpoint(tmp_path, small_config(), head=False)
     headless = qmtp.load(path)
     assert qmtp.generate(headless, [1, 2], max_tokens=3).tokens  # plain decoding works
     with pytest.raises(QmtpError, match="no MTP head"):
@@ -171,7 +172,7 @@ def test_the_loop_without_compiling_or_queueing_ahead_makes_the_same_tokens(smal
             lean = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft)
             ablated = qmtp.generate(small_vocab_model, prompt, max_tokens=16, n_draft=n_draft,
                                     engine=qmtp.Engine(compiled=compiled, queue_ahead=queue_ahead))
-            assert ablated.tokens == lean.tokens and ablated.stats.widths == lean.stats.widths
+            assert ablated.tokens == lean.tokens and ablated.stats.tokens_per_pass == lean.stats.tokens_per_pass
 
 
 @pytest.mark.parametrize("n_draft,max_tokens", [(1, 7), (3, 7), (3, 200)])
@@ -192,7 +193,7 @@ def test_auto_drafting_is_lossless(small_vocab_model, model):
             plain = qmtp.generate(m, prompt, max_tokens=20)
             auto = qmtp.generate(m, prompt, max_tokens=20, n_draft="auto")
             assert auto.tokens == plain.tokens
-            assert set(auto.stats.widths) <= set(adaptive.WIDTHS)
+            assert set(auto.stats.tokens_per_pass) <= set(adaptive.WIDTHS)
     assert auto.stats.n_draft == "auto"
     with pytest.raises(UsageError, match="auto"):
         qmtp.generate(model, [1], n_draft="fast")
@@ -470,7 +471,7 @@ def test_auto_times_its_own_steps_and_carries_them(model):
     first = qmtp.generate(model, [1, 2, 3], max_tokens=40, n_draft="auto", stop_at_eos=False)
     ((costs,),) = [list(model.__dict__["_step_costs"].values())]
     timed = {n: len(t) for n, t in costs.samples.items()}
-    widths = first.stats.widths
+    widths = first.stats.tokens_per_pass
     assert timed and set(timed) <= set(widths)
     # only steps inside a run of their width are timed: fewer than the steps at that width
     assert all(0 < timed[n] < widths.count(n) for n in timed)

@@ -6,6 +6,7 @@ import numpy as np
 
 import pytest
 
+from conftest import small_config
 import qmtp
 from qmtp.book import throughput
 from qmtp.tiny import synthetic
@@ -117,7 +118,7 @@ def test_bytes_grow_with_width():
 
 
 def test_sizes_of_a_loaded_model_match_the_arithmetic(tmp_path):
-    config = synthetic.small_config()
+    config = small_config()
     model = qmtp.load(synthetic.write_checkpoint(tmp_path, config, dtype="F32"))
     in_memory = throughput.sizes_of(model)
     arithmetic = sizes(config, bits=UNQUANTIZED, mtp_bits=None, router_bits=UNQUANTIZED, dtype_bytes=4)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def texts():
-    return list(corpus.iter_text(1500, seed=0))
+    return [text for _, text in corpus.iter_documents(1500, seed=0)]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ import hashlib, sys, tempfile, pathlib
 from qmtp.tiny import corpus
 from qmtp.tokenizer import train_bpe, save
 d = pathlib.Path(tempfile.mkdtemp())
-save(train_bpe(corpus.iter_text(600, seed=0), vocab_size=600), d)
+save(train_bpe((t for _, t in corpus.iter_documents(600, seed=0)), vocab_size=600), d)
 print(hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest())
 """
 

@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import mtp_logits
 import qmtp
 from qmtp.book import evaluate
 from qmtp.tiny import train
-from qmtp.cache import LayerCache
 
 
 def run_train(*args):
@@ -86,8 +86,8 @@ def test_head_only_training_resumes_exactly_and_leaves_the_trunk_alone(tmp_path)
     old, new = qmtp.load(source), qmtp.load(straight / "export")
     kept = evaluate.previous_head(new)
     tokens = mx.array([list(range(3, 20))])
-    assert np.array_equal(np.array(old.mtp_logits(tokens)),
-                          np.array(new.logits(kept(new.hidden_states(tokens)[:, :-1], new.embed_tokens(tokens[:, 1:])))))
+    assert np.array_equal(np.array(mtp_logits(old, tokens)),
+                          np.array(new.logits(kept(new.trunk(tokens)[1][:, :-1], new.embed_tokens(tokens[:, 1:])))))
 
 
 def test_head_only_refuses_unknown_targets(tmp_path):
@@ -98,8 +98,8 @@ def test_head_only_refuses_unknown_targets(tmp_path):
 
 def test_chained_unroll_is_what_drafting_with_a_cache_computes():
     """Step j of the teacher-forced unroll at position t + j - 1 equals the j-th draft of a decode step that
-    started at t: the head run position by position with its KV cache, true states up to t, then its own
-    outputs (the drafts' tokens taken as the true ones, as when the earlier drafts are accepted)."""
+    started at t: the head's layer stepped position by position over its KV buffers, true states up to t, then
+    its own outputs (the drafts' tokens taken as the true ones, as when the earlier drafts are accepted)."""
     model = qmtp.load()
     rows = mx.array(evaluate._windows(model, evaluate.heldout_texts(1), 48)[:2])
     inputs = rows[:, :-1]
@@ -107,12 +107,19 @@ def test_chained_unroll_is_what_drafting_with_a_cache_computes():
     embedded = model.embed_tokens(inputs[:, 1:])
     states = train.chained_head_states(model.mtp, h[:, :-1], embedded, 4)
     assert np.array_equal(np.array(states[0]), np.array(model.head_states(h, inputs)))
+    head = model.mtp
+
+    def head_step(hidden, next_embedding, buffers, offset):
+        z, buffers, _, _ = head.layers[0].step(head.combine(hidden, next_embedding), buffers, mx.array(offset, mx.int32))
+        return head.norm(z), buffers
+
     for t in (0, 7, 40):
-        cache = LayerCache()
-        z = model.mtp(h[:, : t + 1], embedded[:, : t + 1], cache)[:, -1:]
+        buffers = head.layers[0].empty_state(h.shape[0], t + 5, model.dtype)
+        z, buffers = head_step(h[:, : t + 1], embedded[:, : t + 1], buffers, 0)
+        z = z[:, -1:]
         drafted = [z]
         for j in range(2, 5):
-            z = model.mtp(z, embedded[:, t + j - 1: t + j], cache)
+            z, buffers = head_step(z, embedded[:, t + j - 1: t + j], buffers, t + j - 1)
             drafted.append(z)
         for j, z in enumerate(drafted, start=1):
             np.testing.assert_allclose(np.array(z[:, 0]), np.array(states[j - 1][:, t + j - 1]), atol=1e-5)

@@ -565,7 +565,7 @@ def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tok
     best = max(results, key=lambda r: r["tokens_per_second"])
     plain = next((r["tokens_per_second"] for r in results if r["n_draft"] == 1), None)
     tps = statistics.median(speeds)
-    widths = [w for s in stats for w in s.widths]
+    widths = [w for s in stats for w in s.tokens_per_pass]
     passes = len(widths)
     return {"tokens_per_second": tps, "tokens_per_second_min": min(speeds), "tokens_per_second_max": max(speeds),
             "speedup_vs_plain": tps / plain if plain else None,

@@ -542,8 +542,3 @@ UNDER_LOAD = (
                     "\"which is why the native path can fall below plain standard decode at serving batch\" (PR "
                     "49847); replaying cached inputs instead reaches 1.87-1.96x with 4 drafts"),
 )
-
-
-def under_load_sources() -> set[str]:
-    """Every bib key a figure of `UNDER_LOAD` rests on."""
-    return {r.source for r in UNDER_LOAD}

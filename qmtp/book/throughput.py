@@ -401,26 +401,6 @@ def parallel_head_seconds(config: ModelConfig, report: SizeReport, ranks: int, m
     return machine.seconds(replicated + experts, head=True) + (all_sum_seconds if ranks > 1 else 0.0)
 
 
-def parallel_predictions(config: ModelConfig, report: SizeReport, rates, machine: Machine, all_sum_seconds: float,
-                         ranks=(1, 2, 4, 8), n_drafts=range(1, 6), context: int = 0, cache_bytes: int = 2) -> list[dict]:
-    """Predicted tokens/s at each (N, n_draft), the speedup of MTP over plain decoding at the same N, and
-    whether n_draft is the best at that N: does spreading the experts make MTP pay where it does not on one?"""
-    rates = list(rates)
-    rows = []
-    for n_ranks in ranks:
-        head = parallel_head_seconds(config, report, n_ranks, machine, all_sum_seconds, context, cache_bytes)
-        speeds = {}
-        for n in n_drafts:
-            step = parallel_pass_seconds(config, report, n, n_ranks, machine, all_sum_seconds, context,
-                                         cache_bytes) + (n - 1) * head
-            speeds[n] = expected_tokens_per_pass(rates[: n - 1]) / step
-        best = max(speeds, key=speeds.get)
-        plain = speeds.get(1)
-        rows += [{"ranks": n_ranks, "n_draft": n, "tokens_per_second": s,
-                  "speedup_vs_plain": s / plain if plain else None, "best": n == best} for n, s in speeds.items()]
-    return rows
-
-
 # ---- 6. one prediction for a machine, the same on every page --------------------------------------------------
 def reported_rates(positions: int) -> list[float]:
     """Per-position acceptance rates a_1, a_2, ... from the two reported overall rates (`CLAIMS`).

@@ -39,7 +39,6 @@ __all__ = [
     "document",
     "generate",
     "iter_documents",
-    "iter_text",
     "splits",
 ]
 
@@ -1001,17 +1000,6 @@ def generate(
     independent sequence; :func:`splits` uses ``"train"`` and ``"heldout"``.
     """
     return list(iter_documents(n_documents, seed, registers, stream=stream))
-
-
-def iter_text(
-    n_documents: int,
-    seed: int = 0,
-    registers: Sequence[str] = REGISTERS,
-    *,
-    stream: str = "train",
-) -> Iterator[str]:
-    """Yield only the texts of :func:`iter_documents`, e.g. to feed a tokenizer trainer."""
-    return (text for _, text in iter_documents(n_documents, seed, registers, stream=stream))
 
 
 def splits(

@@ -29,35 +29,8 @@ from ..config import QWEN36_35B_A3B, ModelConfig
 from ..convert import side_stem
 from ..conventions import is_conv_kernel, torch_conv_shape
 from ..errors import UsageError
-from ..layout import LAYOUTS, expected_shapes, stored_entries
+from ..layout import LAYOUTS, stored_entries
 from ..loading import BUNDLED_MODEL
-
-
-
-def small_config(**overrides) -> ModelConfig:
-    """A config of the real architecture at toy widths: 4 layers (3 linear + 1 full), 8 experts top-2."""
-    values = dict(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        rope_theta=10_000.0,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=4096,
-    )
-    values.update(overrides)
-    return ModelConfig(**values)
 
 
 # ---- random tensors, in the checkpoint's own conventions -------------------------------------------------
@@ -93,11 +66,6 @@ def stored_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
 def expert_value(name: str, expert: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Expert `expert` of the stacked tensor `name`, drawn on its own so one-by-one layouts stream cheaply."""
     return _rng(seed, f"{name}#{expert}").normal(0.0, shape[-1] ** -0.5, shape).astype(np.float32)
-
-
-def random_weights(config: ModelConfig, seed: int = 0, head: bool = True) -> dict[str, np.ndarray]:
-    """All internal tensors (as stored: zero-centred norms, [C, 1, K] conv) in float32."""
-    return {n: stored_value(n, s, seed) for n, s in expected_shapes(config, head=head).items()}
 
 
 def _config_json(config: ModelConfig, layout: str) -> dict:
