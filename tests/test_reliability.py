@@ -30,7 +30,6 @@ import helpers
 from conftest import small_config
 import qmtp
 from helpers import rewrite
-from qmtp import cache as cache_mod
 from qmtp.tiny import corpus, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint
 from qmtp.errors import QmtpError, UsageError
