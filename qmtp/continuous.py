@@ -27,7 +27,8 @@ from .adaptive import DraftPlanner
 from .errors import UsageError
 from .model import COMPILE, Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
-from .speculative import Generation, Stats, Step, _end_set, _untimed, _find_stop, _nonfinite, _output, _validate
+from .speculative import Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
+from .text import ReplyText
 
 PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
 CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
@@ -42,11 +43,12 @@ FEED_OVER_CHUNK = 4
 class Request:
     """One row's life: its prompt and settings, what it produced so far, and how it ended."""
 
-    def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int]):
+    def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int],
+                 tokenizer=None):
         self.prompt_tokens = list(prompt_tokens)
         self.settings = settings
-        self.tokens: list[int] = []
-        self.text = ""
+        self.tokens: list[int] = []  # the reply's (`reply.tokens`)
+        self.text = ""  # the reply's text, once it is done
         self.finish_reason: str | None = None
         self.error: Exception | None = None
         widest = settings.widest
@@ -60,10 +62,8 @@ class Request:
         self.eos = eos
         self.submitted = time.perf_counter()
         self._cancelled = False
-        self._out: list[int] = []  # the tokens decoded, cut after a stop string
+        self.reply = ReplyText(tokenizer, eos, settings.stop, settings.max_tokens)
         self._decoded: list[int] = []  # every token decoded (past an end or a stop too, until the row leaves)
-        self._streamed = 0
-        self._searched = 0  # where the next search for a stop string starts in the text
         self._first_at = None
         self._feed_at: int | None = None  # while the row reads its prompt in the rows' pass: the next position
         self._prefill_started: float | None = None
@@ -89,46 +89,27 @@ class Request:
                           stats=self.stats, finish_reason=self.finish_reason)
 
     def _take(self, model: Model, emitted: list[int]) -> bool:
-        """Add a step's tokens (stream them, cut at an end id, a stop string or max_tokens); whether the row is
-        done."""
+        """Add a step's tokens (stream them, cut at an end id, a stop string or max_tokens: `ReplyText`); whether
+        the row is done."""
         if self._first_at is None:
             self._first_at = time.perf_counter()
             self.stats.first_token_seconds = self._first_at - self.submitted
-        self._out.extend(emitted)
         self._decoded.extend(emitted)
-        max_tokens, stops = self.settings.max_tokens, self.settings.stop
-        stopped = bool(stops) and self._at_stop(model)
-        visible = _output(self._out, max_tokens, self.eos)
-        self.tokens = visible
-        if model.tokenizer is not None:
-            text = model.tokenizer.decode([t for t in visible if t not in self.eos])
-            self.text = text[:_find_stop(text, stops)] if stopped else text
-        if self.on_tokens is not None and len(visible) > self._streamed:
-            self.on_tokens(visible[self._streamed:])
-            self._streamed = len(visible)
-        ended = len(self._out) >= max_tokens or any(t in self.eos for t in emitted)
-        if stopped or ended:
-            self.finish_reason = "stop" if stopped else "end" if visible and visible[-1] in self.eos else "length"
-        return stopped or ended
-
-    def _at_stop(self, model: Model) -> bool:
-        """Whether the text now holds a stop string; if so, the tokens are cut after the one that completed it."""
-        stops = self.settings.stop
-        visible = _output(self._out, self.settings.max_tokens, self.eos)
-        text = model.tokenizer.decode([t for t in visible if t not in self.eos])
-        if _find_stop(text, stops, self._searched) < 0:
-            self._searched = max(0, len(text) - max(map(len, stops)) - 4)
-            return False
-        for n in range(1, len(visible) + 1):
-            if _find_stop(model.tokenizer.decode([t for t in visible[:n] if t not in self.eos]), stops) >= 0:
-                del self._out[n:]
-                return True
-        raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
+        kept = self.reply.take(emitted)
+        self.tokens = self.reply.tokens
+        if self.on_tokens is not None and kept:
+            self.on_tokens(kept)
+        if self.reply.done:
+            self.finish_reason = self.reply.finish_reason
+            self.text = self.reply.text
+        return self.reply.done
 
     def _finish(self, reason: str | None = None, error: Exception | None = None) -> None:
         if reason is not None:
             self.finish_reason = reason
         self.error = error
+        if not self.reply.done:  # cancelled or failed: the text of what it produced
+            self.text = self.reply.text
         self.stats.generated = len(self.tokens)
         if self._first_at is not None:
             self.stats.decode_seconds = time.perf_counter() - self._first_at
@@ -441,7 +422,7 @@ class ContinuousBatch:
         _validate(self.model, prompt_tokens, settings)
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
         return Request(prompt_tokens, settings, on_tokens, acceptance.strategy_for(sampler, self.engine.acceptance),
-                       _end_set(eos))
+                       _end_set(eos), self.model.tokenizer)
 
     def run(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""
@@ -831,7 +812,7 @@ class ContinuousBatch:
         n = width
         tokens, next_token, keep, finite = line[:n], line[n], line[n + 1], line[n + 2]
         if finite < keep:  # a kept token was chosen from NaN or Inf logits: this row ends, the others go on
-            position = len(request.prompt_tokens) + len(request._out) - 1 + finite
+            position = len(request.prompt_tokens) + len(request.tokens) - 1 + finite
             request._finish("error", _nonfinite(self.model, position, tokens[finite], drafts=tokens[1:1 + cap]))
             return True
         drafts = tokens[1:1 + cap]

@@ -38,6 +38,7 @@ from .model import Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .prefix_cache import PrefixCache, Resume
 from .sampling import Sampling
+from .text import ReplyText
 
 
 @dataclass
@@ -244,12 +245,6 @@ def _chat_prompt(model: Model, prompt, messages, enable_thinking, chat_template_
                                                tokenize=True, **variables)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
-    """Where the first stop string in `text` begins (searching from `start`), or -1."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else -1
-
-
 def _one_call_at_a_time(generate):
     """`generate` on a `Model` only, one call per model at a time (its lock; a callback from `on_tokens` may call
     again, on the same thread); a thread that calls it frees its MLX state when it ends (`release_at_thread_exit`)."""
@@ -384,56 +379,21 @@ def _planner(model: Model, drafter, strategy, engine: Engine):
 
 def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos, stops, on_tokens, stats: Stats,
              recorder, called: float) -> Generation:
-    """The generation from `decode_steps`' steps: its tokens (cut at an end id, a stop string or `max_tokens`),
-    streamed to `on_tokens` as they come, and its statistics."""
-    out: list[int] = []
+    """The generation from `decode_steps`' steps: its tokens (cut at an end id, a stop string or `max_tokens`: the
+    reply's `qmtp.text.ReplyText`), streamed to `on_tokens` as they come, and its statistics."""
+    reply = ReplyText(model.tokenizer, _end_set(eos), stops, max_tokens)
     started = time.perf_counter()
-    streamed = 0
 
-    def stream():
-        nonlocal streamed
-        if on_tokens is None:  # nothing to do between passes
-            return
-        visible = _output(out, max_tokens, eos)
-        if len(visible) > streamed:
-            on_tokens(visible[streamed:])
-            streamed = len(visible)
+    def take(emitted: list[int]) -> None:
+        kept = reply.take(emitted)
+        if on_tokens is not None and kept:
+            on_tokens(kept)
 
-    stopped, searched, clear = False, 0, 0  # clear: the tokens whose text holds no stop string
-
-    def settled_text(tokens: list[int]) -> str:
-        """The text of `tokens` without a character still being decoded at its end (decoded as U+FFFD until
-        its last byte comes): a stop string must not match what is not yet a character."""
-        ids = [t for t in tokens if t not in eos]
-        text = model.tokenizer.decode(ids)
-        return text[:-1] if text.endswith("\ufffd") and model.tokenizer.ends_mid_character(ids) else text
-
-    def at_stop() -> bool:
-        """Whether the text now holds a stop string; if so, `out` keeps only the tokens up to the one that
-        completed it (decoded a prefix at a time over this step's tokens)."""
-        nonlocal searched, clear
-        if not stops:
-            return False
-        visible = _output(out, max_tokens, eos)
-        text = settled_text(visible)
-        if _find_stop(text, stops, searched) < 0:
-            # a stop string may end in the next step: search again from a little before the end
-            searched = max(0, len(text) - max(map(len, stops)) - 4)
-            clear = len(visible)
-            return False
-        for n in range(clear + 1, len(visible) + 1):
-            if _find_stop(settled_text(visible[:n]), stops) >= 0:
-                del out[n:]
-                return True
-        raise AssertionError("a stop string in the text of all tokens but of no prefix")  # cannot happen
-
-    out.extend(next(steps).emitted)  # the prefill's token
+    take(next(steps).emitted)  # the prefill's token
     stats.prefill_seconds = time.perf_counter() - started
-    stopped = at_stop()
     stats.first_token_seconds = time.perf_counter() - called
-    stream()
     started = time.perf_counter()
-    for step, experts in ([] if stopped else steps):
+    for step, experts in ([] if reply.done else steps):
         for i in range(min(step.accepted + 1, len(step.drafts))):
             stats.drafted[i] += 1
         for i in range(step.accepted):
@@ -441,22 +401,16 @@ def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos
         stats.steps.append(step)
         if recorder is not None:
             recorder.record(experts)
-        out.extend(step.emitted)
-        stopped = at_stop()
-        stream()
-        if stopped:
+        take(step.emitted)
+        if reply.done:
             break
     stats.decode_seconds = time.perf_counter() - started
 
     if recorder is not None:
         stats.experts_per_pass = recorder.distinct()
-    out = _output(out, max_tokens, eos)
-    stats.generated = len(out)
-    text = model.tokenizer.decode([t for t in out if t not in eos]) if model.tokenizer is not None else ""
-    reason = "stop" if stopped else "end" if out and out[-1] in eos else "length"
-    if stopped:
-        text = text[:_find_stop(settled_text(out), stops)]
-    return Generation(text=text, tokens=out, prompt_tokens=prompt_tokens, stats=stats, finish_reason=reason)
+    stats.generated = len(reply.tokens)
+    return Generation(text=reply.text, tokens=list(reply.tokens), prompt_tokens=prompt_tokens, stats=stats,
+                      finish_reason=reply.finish_reason or "length")
 
 
 def _end_set(eos) -> frozenset[int]:
@@ -464,14 +418,6 @@ def _end_set(eos) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(eos) if isinstance(eos, (set, frozenset, list, tuple)) else frozenset((int(eos),))
-
-
-def _output(tokens: list[int], max_tokens: int, eos) -> list[int]:
-    """What a generation returns of the tokens decoded: at most `max_tokens`, ending at the first end id."""
-    tokens = tokens[:max_tokens]
-    ends = _end_set(eos)
-    first = next((i for i, t in enumerate(tokens) if t in ends), None)
-    return tokens if first is None else tokens[: first + 1]
 
 
 def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,

@@ -30,7 +30,6 @@ from qmtp.errors import NonFiniteLogitsError  # noqa: E402
 from qmtp import continuous  # noqa: E402
 from qmtp.serve import protocol  # noqa: E402
 from qmtp.serve.main import build, engine_class, parser  # noqa: E402
-from qmtp.serve.stream import TextStream, ThinkingSplit, split_reply  # noqa: E402
 
 N_DRAFT = 3
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
@@ -381,21 +380,6 @@ def test_max_tokens_left_out_is_the_rest_of_the_context(model):
                                  served)
     assert parsed.settings.max_tokens == 7 and parsed.settings.sampler(model).temperature == 0
 
-
-def test_streamed_text_holds_back_what_a_stop_string_or_the_think_tag_may_start(model):
-    tokenizer = model.tokenizer
-    text = "one two three four"
-    ids = tokenizer.encode(text)
-    stream = TextStream(tokenizer, stops=("three",))
-    sent = "".join(stream.feed([t]) for t in ids)
-    assert sent == "one two " and stream.stopped
-    stream = TextStream(tokenizer)
-    sent = "".join(stream.feed([t]) for t in ids)
-    assert sent + stream.finish(text) == text
-    split = ThinkingSplit(opened=True)
-    pieces = [split.feed(d) for d in ("I think", " so</th", "ink>\n", "yes")] + [split.finish()]
-    assert "".join(p[0] for p in pieces) == "I think so" and "".join(p[1] for p in pieces) == "\nyes"
-    assert split_reply("a</think>b", opened=False) == ("", "a</think>b")
 
 
 def test_the_engine_cancels_a_queued_row_and_refuses_what_decode_would(model):

@@ -6,17 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-
-def held_back(text: str, stops) -> str:
-    """`text` as far as it can be shown before the generation ends: cut at a stop string, and without an end
-    that may be the start of one (the next step may complete it)."""
-    from ..speculative import _find_stop
-
-    cut = _find_stop(text, tuple(stops)) if stops else -1
-    if cut >= 0:
-        return text[:cut]
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[:len(text) - hold]
+from ..text import ReplyText, stop_prefix
 
 
 def print_delta(shown: str, text: str, file) -> None:
@@ -26,21 +16,18 @@ def print_delta(shown: str, text: str, file) -> None:
 
 
 class TextStream:
-    """Prints a generation's text as its tokens arrive (a step of the real model can take seconds). Text is
-    decoded from all tokens so far, since a character can span tokens; an incomplete one (decoded as U+FFFD)
-    waits for the next step, and so does an end that may be the start of a stop string."""
+    """Prints a generation's text as its tokens arrive (a step of the real model can take seconds), as the
+    reply's text machine (`qmtp.text.ReplyText`) lets it out: an incomplete character waits for the next step,
+    and so does an end that may be the start of a stop string."""
 
     def __init__(self, tokenizer, ends=None, stops=()):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
-        self.ends = frozenset(ends) if ends is not None else tokenizer.end_ids
-        self.stops = tuple(stops)
+        self.tokenizer, self.shown = tokenizer, ""
+        self.reply = ReplyText(tokenizer, frozenset(ends) if ends is not None else tokenizer.end_ids, tuple(stops))
 
     def add(self, tokens: list[int]) -> None:
-        self.tokens.extend(t for t in tokens if t not in self.ends)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return
-        self._show(held_back(text, self.stops))
+        self.reply.take(tokens)
+        if self.reply.delta():
+            self._show(self.reply.sent)
 
     def finish(self, text: str) -> None:
         self._show(text)
@@ -69,7 +56,7 @@ class ChatStream(TextStream):
         thinks = self.opened or text.lstrip().startswith(THINK)
         done = END_THINK in text or not thinks
         if not done and not final:  # an end that may be the start of </think> waits for the next step
-            text = held_back(text, (END_THINK,))
+            text = text[:len(text) - stop_prefix(text, (END_THINK,))]
         thinking, answer = split_thinking(text, self.opened)
         if thinks and not self.hide and (thinking or done) and self.state == "before":
             print("[thinking]", file=sys.stderr, flush=True)

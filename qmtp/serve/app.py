@@ -26,7 +26,7 @@ from .. import chat
 from ..errors import UsageError
 from . import protocol
 from .protocol import ApiError, Parsed, Served, Shapes
-from .stream import TextStream, ThinkingSplit, split_reply
+from ..text import ReplyText, ThinkingSplit, split_reply
 
 POLL_SECONDS = 0.005  # how often the watcher looks which rows ended
 MAX_BODY_BYTES = 32 * 2**20
@@ -164,15 +164,16 @@ class Server:
     async def events(self, live: _Live, parsed: Parsed, shapes: Shapes):
         """The server-sent events of a streamed response, `[DONE]` last; a client that leaves cancels the row."""
         row = live.row
-        text = TextStream(self.served.model.tokenizer, self.eos if parsed.settings.stop_at_eos else (),
-                          parsed.settings.stop)
+        text = ReplyText(self.served.model.tokenizer, self.eos if parsed.settings.stop_at_eos else (),
+                         parsed.settings.stop)
         split = ThinkingSplit(parsed.opened_thinking)
         try:
             if parsed.kind == "chat":
                 yield _data(shapes.chunk(role=True))
             try:
                 async for tokens in live.updates():
-                    reasoning, content = split.feed(text.feed(tokens))
+                    text.take(tokens)
+                    reasoning, content = split.feed(text.delta())
                     if reasoning or content:
                         yield _data(shapes.chunk(reasoning, content))
             except ApiError as error:  # the engine stopped
