@@ -8,6 +8,8 @@ each round; each cell is the median over rounds, in milliseconds. The last colum
 time over the tokens it emits, and that over plain decoding's.
 
     python tools/profile_step.py [--rounds 10] [--max-tokens 64] [--widths 1 2 3 4 5]
+
+With PYTHONPATH=DIR it profiles that checkout, also one from before the one step (3ad6b01).
 """
 
 import argparse
@@ -17,9 +19,15 @@ import time
 import mlx.core as mx
 
 import qmtp
-from qmtp import acceptance, decoding
+from qmtp import decoding
 from qmtp.book.evaluate import heldout_prompts
 from qmtp.speculative import _prefill
+
+ONE_STEP = hasattr(decoding, "compiled_step")
+if ONE_STEP:
+    from qmtp.acceptance import Greedy
+else:
+    from qmtp.decoding import Greedy
 
 
 def main() -> None:
@@ -29,7 +37,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     args = parser.parse_args()
     model = qmtp.load()
-    greedy = acceptance.Greedy()
+    greedy = Greedy()
     prompts = heldout_prompts(model, 1)[:4]
     prompt = prompts[0]
     calls = {}
@@ -39,14 +47,20 @@ def main() -> None:
         state, last, _ = _prefill(model, head, prompt, decoding.capacity_for(len(prompt) + args.max_tokens + 2 * n),
                                   n, greedy, "post", mx.random.key(0))
         keys = mx.random.key(0)[None]
-        step = decoding.compiled_step(model, model.mtp, k, (greedy,), (k,), "post", True)
-        calls[n, "step"] = lambda step=step, s=state, l=last: step(s, l, keys)[2]
         tokens = mx.zeros((1, n), mx.int32)
+        if ONE_STEP:
+            step = decoding.compiled_step(model, model.mtp, k, (greedy,), (k,), "post", True)
+            calls[n, "step"] = lambda step=step, s=state, l=last: step(s, l, keys)[2]
+            drafts = lambda s, l, k=k: decoding.draft(model, model.mtp, k, (greedy,), (k,), s, l, [keys[0]])[0]
+        else:  # a checkout before the one step (3ad6b01): the single-row step and its own draft
+            from qmtp.speculative import _compiled_step
+            step = _compiled_step(model, model.mtp, k, greedy, "post", k > 0)
+            calls[n, "step"] = lambda step=step, s=state, l=last: step(s, l, keys[0])[2]
+            drafts = lambda s, l, k=k: decoding.draft(model, model.mtp, k, greedy, s, l, keys[0])[0]
         verify = mx.compile(lambda s, t, k=k: decoding.verify(model, t, s, k > 0)[2], inputs=[model.state])
         calls[n, "verify"] = lambda verify=verify, s=state, t=tokens: verify(s, t)
         if k:
-            draft = mx.compile(lambda s, l, k=k: decoding.draft(model, model.mtp, k, (greedy,), (k,), s, l,
-                                                                [keys[0]])[0], inputs=[model.state])
+            draft = mx.compile(drafts, inputs=[model.state])
             calls[n, "draft"] = lambda draft=draft, s=state, l=last: draft(s, l)
 
         def generation(n=n):
