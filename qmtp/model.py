@@ -99,6 +99,11 @@ class Model(nn.Module):
             return self.embed_tokens.as_linear(h)
         return self._lm_head_split(h) if self._lm_head_split else self.lm_head(h)
 
+    def __call__(self, tokens: mx.array) -> mx.array:
+        """The trunk's logits [B, T, vocab] for tokens [B, T] from no past (teacher-forced: what the book compares
+        with other engines' models, which are called the same way); decoding runs `qmtp.decoding`'s step."""
+        return self.logits(self.trunk(tokens)[1])
+
     # ---- head -------------------------------------------------------------------------------------------
     def require_head(self) -> MTPHead:
         if self.mtp is None:

@@ -91,3 +91,10 @@ def test_fixes_are_recorded_and_raw_differs(checkpoint, model):
         raw_norm_only = qmtp.load(checkpoint, fixes=("conv",))
     assert raw_norm_only.fixes_applied == ("conv",)
     assert relative_error(trunk_logits(raw_norm_only, TOKENS), trunk_logits(model, TOKENS)) > 0.1
+
+
+def test_calling_the_model_gives_the_decoding_paths_logits(model):
+    """`model(tokens)` (teacher-forced, what the book compares with other engines' models) is the decoding step's
+    trunk from an empty state, batch rows included."""
+    tokens = mx.array(np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 9)), mx.int32)
+    assert relative_error(np.array(model(tokens)), np.array(trunk_logits(model, tokens))) < 1e-5

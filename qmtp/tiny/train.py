@@ -179,8 +179,8 @@ def chained_head_states(head, hidden: mx.array, next_embeddings: mx.array, depth
 
     hidden [B, L, H] holds the trunk states h_q and next_embeddings [B, L, H] embed(x_{q+1}); step j at position
     q reads z_{j-1} at q - 1 (zeros at q = 0) and embed(x_{q+1}) and predicts x_{q+2}, like the j-th draft of
-    a decode step that started at q - j + 1. The layer is the head's own (`MTPHead.__call__` with a cache gives
-    the same values one position at a time: tests/test_train.py checks it); only the attention is spelled out
+    a decode step that started at q - j + 1. The layer is the head's own (its `step` over the head's KV buffers
+    gives the same values one position at a time: tests/test_train.py checks it); only the attention is spelled out
     here, because each step reads earlier steps' keys (`chain_mask`)."""
     layer = head.layers[0]
     attn = layer.self_attn
