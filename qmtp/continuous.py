@@ -44,7 +44,7 @@ class Request:
     """One row's life: its prompt and settings, what it produced so far, and how it ended."""
 
     def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int],
-                 tokenizer=None):
+                 tokenizer=None, on_done=None):
         self.prompt_tokens = list(prompt_tokens)
         self.settings = settings
         self.tokens: list[int] = []  # the reply's (`reply.tokens`)
@@ -58,6 +58,7 @@ class Request:
         self.cached_tokens = 0
         self.done = threading.Event()
         self.on_tokens = on_tokens
+        self.on_done = on_done  # called on the engine thread once the row has ended (after its last tokens)
         self.strategy = strategy
         self.eos = eos
         self.submitted = time.perf_counter()
@@ -114,6 +115,8 @@ class Request:
         if self._first_at is not None:
             self.stats.decode_seconds = time.perf_counter() - self._first_at
         self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
 
 def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk,
@@ -393,9 +396,10 @@ class ContinuousBatch:
     def waiting(self) -> int:
         return len(self._queue) + len(self._joining)
 
-    def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None) -> Request:
-        """Check the request now (a UsageError naming what is wrong) and queue it; thread-safe."""
-        request = self.check(prompt_tokens, settings, on_tokens)
+    def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None, on_done=None) -> Request:
+        """Check the request now (a UsageError naming what is wrong) and queue it; thread-safe. `on_tokens`
+        gets each step's new tokens, `on_done` is called once the row has ended, both on the engine thread."""
+        request = self.check(prompt_tokens, settings, on_tokens, on_done)
         with self._lock:
             self._queue.append(request)
         self._wake.set()
@@ -407,12 +411,14 @@ class ContinuousBatch:
             self._queue.extend(requests)
         self._wake.set()
 
-    def check(self, prompt_tokens, settings: Settings, on_tokens=None) -> Request:
+    def check(self, prompt_tokens, settings: Settings, on_tokens=None, on_done=None) -> Request:
         """The request for a prompt and settings, every check done (nothing queued)."""
         if not isinstance(settings, Settings):
             raise UsageError(f"settings: give a qmtp.Settings (Settings.of(...)), not {type(settings).__name__}")
         if on_tokens is not None and not callable(on_tokens):
             raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
+        if on_done is not None and not callable(on_done):
+            raise UsageError(f"on_done={on_done!r:.40} must be a function of no argument (or None)")
         if settings.n_draft != 1 and self.drafter is None:
             self.model.require_head()
         sampler = settings.check_for(self.model)
@@ -422,7 +428,7 @@ class ContinuousBatch:
         _validate(self.model, prompt_tokens, settings)
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
         return Request(prompt_tokens, settings, on_tokens, acceptance.strategy_for(sampler, self.engine.acceptance),
-                       _end_set(eos), self.model.tokenizer)
+                       _end_set(eos), self.model.tokenizer, on_done)
 
     def run(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""

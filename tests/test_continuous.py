@@ -255,3 +255,18 @@ def test_a_chat_read_as_a_row_holds_its_turn_start_for_the_next_turn(n_draft):
 def test_the_join_mode_is_checked(model):
     with pytest.raises(UsageError, match="join='row'"):
         ContinuousBatch(model, join="row")
+
+
+def test_a_request_calls_back_once_it_has_ended_after_its_last_tokens(small_vocab_model):
+    """The server waits on this callback instead of polling every row's `done`."""
+    batch = ContinuousBatch(small_vocab_model, max_batch=2)
+    events = {0: [], 1: []}
+    rows = [batch.submit([1, 2, 3], Settings.of(max_tokens=n, n_draft=3), on_tokens=events[i].append,
+                         on_done=lambda i=i: events[i].append("done")) for i, n in enumerate((5, 12))]
+    while batch.step():
+        pass
+    for i, row in enumerate(rows):
+        assert events[i][-1] == "done" and events[i].count("done") == 1
+        assert sum(events[i][:-1], []) == row.tokens
+    with pytest.raises(UsageError, match="on_done"):
+        batch.submit([1], Settings.of(), on_done=3)

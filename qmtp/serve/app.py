@@ -28,7 +28,7 @@ from . import protocol
 from .protocol import ApiError, Parsed, Served, Shapes
 from ..text import ReplyText, ThinkingSplit, split_reply
 
-POLL_SECONDS = 0.005  # how often the watcher looks which rows ended
+ENGINE_CHECK_SECONDS = 0.1  # how often the watcher looks whether the engine thread is still alive
 MAX_BODY_BYTES = 32 * 2**20
 
 
@@ -47,8 +47,14 @@ class _Live:
         self.row = None
 
     def push(self, tokens: list[int]) -> None:  # on the engine thread
+        self._put(tokens)
+
+    def end(self) -> None:  # on the engine thread, once the row has ended (after its last `push`)
+        self._put(_END)
+
+    def _put(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, tokens)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody reads this row any more
             if self.row is not None:
                 self.row.cancel()
@@ -66,8 +72,9 @@ class _Live:
 
 
 class _Watcher:
-    """One task for all rows: ends a row's queue once the row is done (the interface has no callback for
-    that, only `done`, a threading.Event) or the engine thread died, so a request waits on its queue alone."""
+    """One task for all rows: a row's queue ends when the row does (its `on_done`, `_Live.end`); if the engine
+    thread died, nobody would end them, so this ends every open row's queue then, and a request waits on its
+    queue alone."""
 
     def __init__(self):
         self.rows: set[_Live] = set()
@@ -75,12 +82,12 @@ class _Watcher:
     async def run(self, engine_alive) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(POLL_SECONDS)
-            alive = engine_alive()
-            for live in [live for live in self.rows if live.row.done.is_set() or not alive]:
-                self.rows.discard(live)
-                # after the tokens the engine pushed before it set `done` (already scheduled)
-                loop.call_soon(live.queue.put_nowait, _END)
+            await asyncio.sleep(ENGINE_CHECK_SECONDS)
+            self.rows = {live for live in self.rows if not live.row.done.is_set()}
+            if not engine_alive():
+                for live in self.rows:  # after the tokens the engine pushed before it died (already scheduled)
+                    loop.call_soon(live.queue.put_nowait, _END)
+                self.rows = set()
 
 
 async def _cancel_on_disconnect(request: Request, row) -> None:
@@ -130,7 +137,7 @@ class Server:
                            code="queue_full")
         live = _Live(asyncio.get_running_loop())
         try:
-            live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push)
+            live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push, on_done=live.end)
         except UsageError as error:  # what the engine checks itself (protocol checked the fields before)
             raise ApiError(str(error), None) from None
         self.watcher.rows.add(live)
