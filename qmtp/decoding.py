@@ -210,7 +210,7 @@ def draft(model, head, k: int, strategies, caps, state: dict, last, draft_keys, 
             else:
                 d = mx.argmax(logits[b:b + 1], axis=-1).astype(mx.int32)
             picked.append(d)
-        d = mx.concatenate(picked) if rows > 1 else picked[0]
+        d = mx.concatenate(picked)
         drafts.append(d)
         finite.append(mx.isfinite(logits).all(axis=-1))
         # entries past `offset` are the head's own guesses: the next step overwrites them
@@ -317,8 +317,7 @@ def step(model, head, k: int, strategies, caps, hidden: str, record: bool, state
         a, t = strategy.accept(tokens[b, 1:1 + caps[b]], dists[b], logits[b, :caps[b] + 1], split[b][2], **where)
         accepted.append(a.reshape(1))
         next_token.append(t.reshape(1))
-    accepted = mx.concatenate(accepted) if len(accepted) > 1 else accepted[0]
-    next_token = mx.concatenate(next_token) if len(next_token) > 1 else next_token[0]
+    accepted, next_token = mx.concatenate(accepted), mx.concatenate(next_token)
     keep = accepted + 1
     if history:  # each row's kept tokens enter its counts: pending, d_1..d_accepted
         new_state["counts"] = mx.take_along_axis(counts, accepted[:, None, None], axis=1)[:, 0]

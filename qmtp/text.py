@@ -44,11 +44,12 @@ class ReplyText:
     def __init__(self, tokenizer, eos=frozenset(), stops: tuple[str, ...] = (), max_tokens: int | None = None):
         self.tokenizer, self.eos, self.stops, self.max_tokens = tokenizer, frozenset(eos), tuple(stops), max_tokens
         self.tokens: list[int] = []  # the reply's tokens (its end id included; none past the stop's last)
-        self.settled = ""  # the text of the tokens taken, complete characters only (before any stop string)
+        self.settled = ""  # the text of the tokens decoded so far, complete characters only (before any stop)
         self.finish_reason: str | None = None  # "end", "stop" or "length" once done
         self._stream = DecodeStream(skip_special_tokens=False) if tokenizer is not None else None
         self._sent = 0  # characters of `settled` handed out by `delta`
         self._open: list[int] = []  # tokens whose text is not complete yet (a character spans them)
+        self._fed = 0  # tokens decoded so far
 
     @property
     def done(self) -> bool:
@@ -56,7 +57,8 @@ class ReplyText:
 
     def take(self, tokens: list[int]) -> list[int]:
         """Add a step's tokens; the ones that are part of the reply (none past an end id, `max_tokens` or the
-        token completing a stop string)."""
+        token completing a stop string). Without stop strings nothing is decoded here: the text is decoded
+        when it is read (`delta`, `text`), so a generation nobody streams pays no decoding per step."""
         kept = []
         for token in tokens:
             if self.done:
@@ -66,20 +68,29 @@ class ReplyText:
             if token in self.eos:
                 self.finish_reason = "end"
                 break
-            if self._stream is not None:
-                piece = self._decoded(int(token))
-                if piece:
-                    before = len(self.settled)
-                    self.settled += piece
-                    if self.stops:
-                        start = max(0, before - max(map(len, self.stops)) + 1)
-                        at = find_stop(self.settled, self.stops, start)
-                        if at >= 0:
-                            self.settled, self.finish_reason = self.settled[:at], "stop"
-                            break
+            if self.stops:
+                self._catch_up()
+                if self.done:
+                    break
             if self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
                 self.finish_reason = "length"
         return kept
+
+    def _catch_up(self) -> None:
+        """Decode the tokens taken and not decoded yet, each once, cutting the text at the first stop string
+        (searched only where one could straddle the text just added)."""
+        while self._stream is not None and self._fed < len(self.tokens) and self.finish_reason != "stop":
+            token = self.tokens[self._fed]
+            self._fed += 1
+            piece = None if token in self.eos else self._decoded(int(token))
+            if not piece:
+                continue
+            before = len(self.settled)
+            self.settled += piece
+            at = find_stop(self.settled, self.stops, max(0, before - max(map(len, self.stops)) + 1)) \
+                if self.stops else -1
+            if at >= 0:
+                self.settled, self.finish_reason = self.settled[:at], "stop"
 
     def _decoded(self, token: int) -> str | None:
         """The text `token` completes (None while a character is still open). Bytes that can start no character
@@ -107,6 +118,7 @@ class ReplyText:
     def delta(self) -> str:
         """The text not handed out yet that can be sent now: never a character still incomplete, nor, while the
         reply goes on, an end that may be the start of a stop string; all the rest once it is done."""
+        self._catch_up()
         safe = self.text if self.done else self.settled[:len(self.settled) - stop_prefix(self.settled, self.stops)]
         if len(safe) <= self._sent:
             return ""
@@ -117,6 +129,7 @@ class ReplyText:
     @property
     def sent(self) -> str:
         """The text `delta` has handed out so far."""
+        self._catch_up()
         return (self.text if self.done else self.settled)[:self._sent]
 
     def finish(self, final_text: str) -> str:

@@ -17,7 +17,7 @@ def tokenizer():
 
 
 def splits(ids, pieces: int):
-    """Every way of cutting `ids` into `pieces` consecutive steps (some empty ones allowed at the end)."""
+    """Every way of cutting `ids` into `pieces` consecutive non-empty steps."""
     for cuts in itertools.combinations(range(1, len(ids)), pieces - 1):
         bounds = (0, *cuts, len(ids))
         yield [ids[a:b] for a, b in zip(bounds, bounds[1:])]
