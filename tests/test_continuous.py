@@ -37,6 +37,20 @@ def test_requests_join_while_others_run_and_equal_their_own_runs(model):
     assert batch.counters["max_rows_in_a_step"] == 3
 
 
+def test_requests_wait_only_for_rows_that_are_taken(model):
+    batch = ContinuousBatch(model, max_batch=2)
+    requests = [batch.submit([5, 6, 7], Settings.of(max_tokens=40)) for _ in range(3)]
+    assert (batch.active, batch.waiting) == (0, 1)  # queued, not yet admitted: two of them have rows to go to
+    batch.step()
+    assert (batch.active, batch.waiting) == (2, 1)
+    requests[0].cancel()
+    batch.step()
+    assert (batch.active, batch.waiting) == (2, 0)
+    while batch.step():
+        pass
+    assert (batch.active, batch.waiting) == (0, 0)
+
+
 def test_cancel_streaming_and_the_engine_thread(model):
     batch = ContinuousBatch(model, max_batch=4)
     stop = threading.Event()

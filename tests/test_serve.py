@@ -333,6 +333,27 @@ def test_the_api_key_and_a_full_queue(model, monkeypatch):
         wait_idle(base)
 
 
+def test_a_burst_is_refused_only_once_every_row_is_taken_and_the_queue_is_full(model, monkeypatch):
+    real_step = continuous.ContinuousBatch._decode_step
+
+    def slow_step(self):
+        time.sleep(0.02)
+        return real_step(self)
+
+    monkeypatch.setattr(continuous.ContinuousBatch, "_decode_step", slow_step)
+    long = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with running(build(model, n_draft=N_DRAFT, max_batch=2, max_queue=1)) as base:
+        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=30) as first, \
+                httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=30) as second, \
+                httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=30) as third:
+            assert [r.status_code for r in (first, second, third)] == [200, 200, 200]  # two rows, one waits
+            state = health(base)
+            assert state["active"] + state["waiting"] == 3 and state["waiting"] >= 1
+            refused = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert refused.status_code == 429 and "every row is taken" in refused.json()["error"]["message"]
+        wait_idle(base)
+
+
 def test_four_requests_sent_at_once_share_decoding_steps(model, url):
     before = health(url)["counters"]
     api = client(url)
@@ -389,7 +410,7 @@ def test_the_engine_cancels_a_queued_row_and_refuses_what_decode_would(model):
         engine.submit([5] * 5000, settings)
     row = engine.submit([5, 6, 7], settings)
     row.cancel()
-    assert engine.waiting == 1 and not engine.step() and row.finish_reason == "cancelled" and row.done.is_set()
+    assert not engine.step() and row.finish_reason == "cancelled" and row.done.is_set()
     row = engine.submit(model.tokenizer.encode("Hello"), settings)
     while engine.step():
         pass

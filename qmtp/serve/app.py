@@ -132,8 +132,9 @@ class Server:
         if self.thread is None or not self.thread.is_alive():
             raise ApiError("the engine is not running", None, status=503, kind="server_error", code="engine_stopped")
         if self.engine.waiting >= self.max_queue:
-            raise ApiError(f"the server is busy: {self.engine.waiting} requests are already waiting (--max-queue "
-                           f"{self.max_queue}); try again later", None, status=429, kind="rate_limit_error",
+            raise ApiError(f"the server is busy: every row is taken (--max-batch {self.engine.max_batch}) and "
+                           f"{self.engine.waiting} requests wait for one (--max-queue {self.max_queue}); try again "
+                           "later", None, status=429, kind="rate_limit_error",
                            code="queue_full")
         live = _Live(asyncio.get_running_loop())
         try:

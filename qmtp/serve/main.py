@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_N_DRAFT} with an MTP head, else 1); a request's n_draft overrides it")
     p.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together at most")
     p.add_argument("--max-queue", type=_positive, default=64,
-                   help="requests waiting at most; one more is answered 429 at once")
+                   help="requests waiting for a row at most, once --max-batch rows are busy; one more is answered 429")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/ routes")
     p.add_argument("--model-name", default=None, help="the name /v1/models gives (default: the folder's name)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
