@@ -612,10 +612,10 @@ class ContinuousBatch:
                 "next": mx.array(following, mx.int32), "first_key": mx.stack(first_keys),
                 "after_key": mx.stack(after_keys)}
 
-    def _fed(self, b: int, request: Request, line: list[int], width: int) -> bool:
+    def _fed(self, b: int, request: Request, row: decoding.RowReport) -> bool:
         """A prompt's row's share of a step: its position moves on; at its last piece, its first token (whether
         the row is done)."""
-        keep, finite, first = line[width + 1], line[width + 2], line[width]
+        keep, finite, first = row.keep, row.finite, row.next_token
         at, prompt = request._feed_at + keep, request.prompt_tokens
         if at < len(prompt):
             request._feed_at = at
@@ -753,7 +753,7 @@ class ContinuousBatch:
         try:
             with self._timer("step"):
                 self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys, *feed)
-                report = report.tolist()
+                report = decoding.read_report(report, width)
         except Exception as error:  # a step is shared: the rows in it fail, the engine goes on with new ones
             for request in self._rows:
                 request._finish("error", error)
@@ -763,7 +763,7 @@ class ContinuousBatch:
         with self._timer("host"):
             self._book(report, width, caps, seconds)
 
-    def _book(self, report: list, width: int, caps: tuple, seconds: float) -> None:
+    def _book(self, report: list[decoding.RowReport], width: int, caps: tuple, seconds: float) -> None:
         """The host's share of a step: counters, the planner, every row's tokens; finished rows leave."""
         self._step_seconds = seconds
         rows = len(self._rows)
@@ -773,9 +773,9 @@ class ContinuousBatch:
         self.counters["prompt_rows_stepped"] += sum(r._feed_at is not None for r in self._rows)
         self.counters["rows_stepped"] += rows
         self.counters["max_rows_in_a_step"] = max(self.counters["max_rows_in_a_step"], rows)
-        finished = [b for b, (request, line) in enumerate(zip(self._rows, report))
-                    if (self._fed(b, request, line, width) if request._feed_at is not None
-                        else self._advance(request, line, width, caps[b]))]
+        finished = [b for b, (request, row) in enumerate(zip(self._rows, report))
+                    if (self._fed(b, request, row) if request._feed_at is not None
+                        else self._advance(request, row, caps[b]))]
         for b in finished:
             if self._rows[b].error is None:
                 self._hold(b)
@@ -816,16 +816,15 @@ class ContinuousBatch:
             self._cache.move_to_end(best.ids)
         return best
 
-    def _advance(self, request: Request, line: list[int], width: int, cap: int) -> bool:
+    def _advance(self, request: Request, row: decoding.RowReport, cap: int) -> bool:
         """A row's share of a step's report: its tokens and statistics; whether it is done."""
-        n = width
-        tokens, next_token, keep, finite = line[:n], line[n], line[n + 1], line[n + 2]
+        tokens, keep, finite = row.tokens, row.keep, row.finite
         if finite < keep:  # a kept token was chosen from NaN or Inf logits: this row ends, the others go on
             position = len(request.prompt_tokens) + len(request.tokens) - 1 + finite
             request._finish("error", _nonfinite(self.model, position, tokens[finite], drafts=tokens[1:1 + cap]))
             return True
         drafts = tokens[1:1 + cap]
-        proposed = line[n + 3:][: min(keep, cap)]
+        proposed = row.draft_finite[: min(keep, cap)]
         stats = request.stats
         for i in range(min(keep, cap)):
             stats.drafted[i] += 1
@@ -833,7 +832,7 @@ class ContinuousBatch:
             stats.accepted[i] += 1
         if self._planner is not None and cap and request.settings.n_draft == "auto":
             self._planner.observe(cap, keep - 1)
-        emitted = tokens[1:keep] + [next_token]
+        emitted = row.emitted
         stats.steps.append(Step(drafts, keep - 1, emitted, proposed.count(0)))
         self.counters["generated"] += len(emitted)
         if request._take(self.model, emitted):

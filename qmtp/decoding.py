@@ -38,6 +38,8 @@ states, the trunk's choice after each of its positions, and how many of them wer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from .config import LINEAR
@@ -337,6 +339,37 @@ def step(model, head, k: int, strategies, caps, hidden: str, record: bool, state
     new_keys = mx.stack([feed["after_key"][b] if b < len(feeding) and feeding[b] else s[0]
                          for b, s in enumerate(split)])
     return new_state, (post if hidden == "post" else pre, after, keep), report, experts, new_keys
+
+
+@dataclass(frozen=True)
+class RowReport:
+    """One row of a step's report, read once on the host (`read_report`).
+
+    tokens: the pass's n tokens (the pending one, then the drafts); next_token: the trunk's token after the kept
+    ones (a prompt's row: its first token, once its last piece is read); keep: tokens of the pass kept (1 + the
+    drafts accepted; a prompt's row: tokens it read); finite: leading positions whose logits were all finite;
+    draft_finite: per draft, 0 where the head's logits for it were not finite."""
+
+    tokens: list[int]
+    next_token: int
+    keep: int
+    finite: int
+    draft_finite: list[int]
+
+    @property
+    def accepted(self) -> int:
+        return self.keep - 1
+
+    @property
+    def emitted(self) -> list[int]:
+        """The tokens the step adds to the row's reply: the accepted drafts, then the trunk's next."""
+        return self.tokens[1:self.keep] + [self.next_token]
+
+
+def read_report(report: mx.array, width: int) -> list[RowReport]:
+    """A step's report [B, 4 + 2k] as one `RowReport` per row (one host read for the whole batch)."""
+    return [RowReport(line[:width], line[width], line[width + 1], line[width + 2], line[width + 3:])
+            for line in report.tolist()]
 
 
 def compiled_step(model, head, k: int, strategies: tuple, caps: tuple, hidden: str, record: bool,

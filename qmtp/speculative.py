@@ -474,7 +474,7 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
         if queue_ahead and (record or n == 1) and produced + n < max_tokens:
             queued = queue(state, last, keys)  # this pass cannot end the generation
         with timer("sync"):
-            report = report.tolist()[0]
+            row = decoding.read_report(report, n)[0]
         if planner:
             # One step's cost: the interval since the last read, when the step read then had this width and
             # the same one queued behind it (or none, both times). A step queued before the read runs partly
@@ -486,21 +486,22 @@ def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head
                     seconds = agree(seconds)
                 planner.observe_cost(n, seconds)
             read_at, previous = now, this
-        tokens, next_token, keep, finite = report[:n], report[n], report[n + 1], report[n + 2]
-        if finite < keep:  # a kept token was chosen from NaN or Inf logits
-            raise _nonfinite(model, len(prompt_tokens) + produced - 1 + finite, tokens[finite], drafts=tokens[1:])
-        proposed = report[n + 3:][: min(keep, n - 1)]  # as `Stats.drafted` counts: up to the first rejected
+        tokens, keep = row.tokens, row.keep
+        if row.finite < keep:  # a kept token was chosen from NaN or Inf logits
+            raise _nonfinite(model, len(prompt_tokens) + produced - 1 + row.finite, tokens[row.finite],
+                             drafts=tokens[1:])
+        proposed = row.draft_finite[: min(keep, n - 1)]  # as `Stats.drafted` counts: up to the first rejected
         if not record and keep < n:
             with timer("replay"):
                 state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
         if planner:
-            planner.observe(n - 1, keep - 1)
-        emitted = tokens[1:keep] + [next_token]
+            planner.observe(n - 1, row.accepted)
+        emitted = row.emitted
         tokens_out += emitted
         held += keep
         if cache is not None:  # with where this step started: a later prompt may part from it within the step
             cache.hold(state, last, tokens_out, held, (held_before, before["layers"], last_before))
-        yield Step(tokens[1:], keep - 1, emitted, proposed.count(0)), experts
+        yield Step(tokens[1:], row.accepted, emitted, proposed.count(0)), experts
         produced += len(emitted)
         if produced >= max_tokens or any(t in eos for t in emitted):
             return
