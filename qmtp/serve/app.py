@@ -232,11 +232,20 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
     async def completions(request: Request):
         return await server.answer(request, protocol.parse_completion(await server.body(request), served))
 
+    entry = {"id": served.name, "object": "model", "created": server.started, "owned_by": "qmtp",
+             "max_model_len": served.model.config.max_position_embeddings, **protocol.describe_defaults(served)}
+
     async def models(request: Request):
         server.authorise(request)
-        entry = {"id": served.name, "object": "model", "created": server.started, "owned_by": "qmtp",
-                 "max_model_len": served.model.config.max_position_embeddings}
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model(request: Request):
+        server.authorise(request)
+        name = request.path_params["name"]
+        if name != served.name:
+            raise ApiError(f"The model `{name[:80]}` does not exist: this server serves `{served.name}`", "model",
+                           status=404, code="model_not_found")
+        return JSONResponse(entry)
 
     async def health(request: Request):
         state = server.health()
@@ -259,6 +268,7 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),  # a name may hold a slash: Qwen/...
               Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: lambda request, error: _error(error),
