@@ -127,6 +127,11 @@ def test_a_prompt_the_tokenizer_refuses_is_a_400_on_both_endpoints(model, api, m
     def refuse(text):  # as the Rust tokenizer would raise, not a QmtpError
         raise RuntimeError("the tokenizer fell over")
 
+    for raw in ('{"model": "\\ud800", "prompt": "Hi"}', '{"prompt": "Hi", "n": "\\udfff"}'):
+        response = api.post("/v1/completions", content=raw)  # the error's message quotes the lone surrogate
+        assert response.status_code in (400, 404) and "\\ud" in response.text, response.text
+        assert response.json()["error"]["param"] in ("model", "n")
+
     monkeypatch.setattr(model.tokenizer, "encode", refuse)
     assert "fell over" in refused(api.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}),
                                   "prompt")["message"]

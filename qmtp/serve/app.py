@@ -32,8 +32,16 @@ ENGINE_CHECK_SECONDS = 0.1  # how often the watcher looks whether the engine thr
 MAX_BODY_BYTES = 32 * 2**20
 
 
+class _ErrorResponse(JSONResponse):
+    """An error's JSON in ASCII: a message quoting the client's text may hold a lone surrogate (a `model` of
+    "\\ud800"), which no UTF-8 encodes, and it goes back as its \\u escape."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return _ErrorResponse(error.body(), status_code=error.status)
 
 
 _END = object()  # put in a row's queue after its last tokens
@@ -187,7 +195,7 @@ class Server:
             except ApiError as error:  # the engine stopped
                 row.error, row.finish_reason = error, "error"
             if row.finish_reason == "error":
-                yield _data(_failed(row).body())
+                yield {"data": json.dumps(_failed(row).body(), separators=(",", ":"))}  # ASCII, as _error
                 yield {"data": "[DONE]"}
                 return
             generation = row.generation()
