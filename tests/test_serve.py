@@ -2,7 +2,8 @@
 
 The server runs in this process (uvicorn in a thread) over the bundled tiny model; every answer at temperature
 0 (or with a seed) is compared with `qmtp.generate` over the same messages or prompt and the same settings
-(the server's sampler is the model's generation_config.json with the request's fields over it, as vLLM's).
+(the server's sampler is vLLM's defaults, `protocol.defaults`, with the request's fields over it: temperature,
+top_p, top_k, min_p and repetition_penalty from generation_config.json, the penalties the API's 0).
 """
 
 import concurrent.futures
@@ -71,9 +72,9 @@ def client(base: str, key: str = "none") -> "openai.OpenAI":
 
 
 def expected(model, **kwargs):
-    """What `generate` gives with the server's settings (its sampler from generation_config.json)."""
+    """What `generate` gives with the server's settings (its sampler: `protocol.defaults`)."""
     kwargs.setdefault("temperature", 0)
-    return qmtp.generate(model, sampling="model", n_draft=N_DRAFT, **kwargs)
+    return qmtp.generate(model, sampling=protocol.defaults(model), n_draft=N_DRAFT, **kwargs)
 
 
 def health(base: str) -> dict:
@@ -155,7 +156,7 @@ def test_completions_whole_and_streamed_equal_generate(model, url):
 def test_a_sampled_request_with_a_seed_and_the_extra_fields_equals_generate(model, url):
     fields = dict(temperature=0.9, top_p=0.9, seed=11, presence_penalty=0.5)
     extra = dict(top_k=30, min_p=0.05, repetition_penalty=1.1, n_draft=2)
-    g = qmtp.generate(model, "The little fox", max_tokens=30, sampling="model", **fields, **extra)
+    g = qmtp.generate(model, "The little fox", max_tokens=30, sampling=protocol.defaults(model), **fields, **extra)
     whole = client(url).completions.create(model="tiny", prompt="The little fox", max_tokens=30, extra_body=extra,
                                            **fields)
     assert whole.choices[0].text == g.text
@@ -221,12 +222,15 @@ BAD_CHAT = [
     ({"max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"stop": 5}, "stop"),
-    ({"stop": [""]}, "stop"),
+    ({"stop": ["", 5]}, "stop"),
     ({"seed": -1}, "seed"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"n_draft": 99}, "n_draft"),
-    ({"frobnicate": 1}, "frobnicate"),
+    ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ({"prompt": "Hi"}, "prompt"),
+    ({"messages": HELLO + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
     ({"messages": []}, "messages"),
@@ -396,7 +400,8 @@ def test_max_tokens_left_out_is_the_rest_of_the_context(model):
     served = protocol.Served(model, "tiny", N_DRAFT)
     parsed = protocol.parse_completion({"prompt": [5] * 100}, served)
     assert parsed.settings.max_tokens == model.config.max_position_embeddings - 100 - (N_DRAFT - 1)
-    assert parsed.settings.sampler(model) == qmtp.Sampling.of_model(model)
+    assert parsed.settings.sampler(model) == protocol.defaults(model) != qmtp.Sampling.of_model(model)
+    assert parsed.settings.sampler(model).presence_penalty == 0 < qmtp.Sampling.of_model(model).presence_penalty
     parsed = protocol.parse_chat({"messages": HELLO, "temperature": 0, "user": "me", "max_completion_tokens": 7},
                                  served)
     assert parsed.settings.max_tokens == 7 and parsed.settings.sampler(model).temperature == 0

@@ -32,8 +32,16 @@ ENGINE_CHECK_SECONDS = 0.1  # how often the watcher looks whether the engine thr
 MAX_BODY_BYTES = 32 * 2**20
 
 
+class _ErrorResponse(JSONResponse):
+    """An error's JSON in ASCII: a message quoting the client's text may hold a lone surrogate (a `model` of
+    "\\ud800"), which no UTF-8 encodes, and it goes back as its \\u escape."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return _ErrorResponse(error.body(), status_code=error.status)
 
 
 _END = object()  # put in a row's queue after its last tokens
@@ -187,7 +195,7 @@ class Server:
             except ApiError as error:  # the engine stopped
                 row.error, row.finish_reason = error, "error"
             if row.finish_reason == "error":
-                yield _data(_failed(row).body())
+                yield {"data": json.dumps(_failed(row).body(), separators=(",", ":"))}  # ASCII, as _error
                 yield {"data": "[DONE]"}
                 return
             generation = row.generation()
@@ -232,11 +240,20 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
     async def completions(request: Request):
         return await server.answer(request, protocol.parse_completion(await server.body(request), served))
 
+    entry = {"id": served.name, "object": "model", "created": server.started, "owned_by": "qmtp",
+             "max_model_len": served.model.config.max_position_embeddings, **protocol.describe_defaults(served)}
+
     async def models(request: Request):
         server.authorise(request)
-        entry = {"id": served.name, "object": "model", "created": server.started, "owned_by": "qmtp",
-                 "max_model_len": served.model.config.max_position_embeddings}
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model(request: Request):
+        server.authorise(request)
+        name = request.path_params["name"]
+        if name != served.name:
+            raise ApiError(f"The model `{name[:80]}` does not exist: this server serves `{served.name}`", "model",
+                           status=404, code="model_not_found")
+        return JSONResponse(entry)
 
     async def health(request: Request):
         state = server.health()
@@ -259,6 +276,7 @@ def create_app(served: Served, engine, api_key: str | None = None, max_queue: in
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),  # a name may hold a slash: Qwen/...
               Route("/health", health, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: lambda request, error: _error(error),

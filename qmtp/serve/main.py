@@ -64,15 +64,14 @@ def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key:
           name: str | None = None, engine=None):
     """The app serving `model` (a loaded `qmtp.Model`), with `engine` (default: `engine_class()`)."""
     from .app import create_app
-    from ..sampling import Sampling
-    from .protocol import Served
+    from .protocol import Served, defaults
 
     if n_draft is None:
         n_draft = DEFAULT_N_DRAFT if model.mtp is not None else 1
     if engine is None:
         engine = engine_class()(model, max_batch=max_batch)
     name = name or (Path(model.path).name if model.path else "qmtp")
-    served = Served(model, name, n_draft, Sampling.of_model(model))  # read once, not at every request
+    served = Served(model, name, n_draft, defaults(model))  # read once, not at every request
     return create_app(served, engine, api_key=api_key, max_queue=max_queue)
 
 

@@ -4,30 +4,46 @@
 `qmtp.Settings` and how to answer. Every field is checked here, and anything wrong raises `ApiError`, which
 the app answers in the API's error shape (`{"error": {"message", "type", "param", "code"}}`) with a 400
 naming the field: a field that would change the output and is not supported (`tools`, `logit_bias`, ...)
-included. Fields clients send that change nothing (`user`, ...) are accepted and ignored; sampler fields
-left out come from the model's generation_config.json, and `max_tokens` left out is the rest of the context.
+included. Any other field qmtp does not know (`user`, `cache_salt`, a tracing id...) changes nothing: it is
+accepted and ignored, with one warning per field name, as vLLM does.
+
+Sampler fields left out take vLLM's defaults (`defaults`): temperature, top_p, top_k, min_p and
+repetition_penalty from the model's generation_config.json, and the API's own for the rest (presence and
+frequency penalties 0), so a temperature-0 request is `qmtp.generate`'s greedy decoding. `max_tokens` left
+out is the rest of the context. A JSON number equal to an integer (`5.0`) is that integer in every integer
+field; NaN, Infinity and numbers beyond a float's range are a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import secrets
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import chat
-from ..errors import CheckpointError, QmtpError, UsageError
+from ..errors import CheckpointError, QmtpError, TemplateError, TemplateTimeoutError, UsageError
 from ..options import MAX_N_DRAFT, SEEDS, Settings
 from ..sampling import Sampling
 
+log = logging.getLogger("qmtp.serve")
+
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty")
-# fields that change nothing qmtp gives back: accepted, and ignored
+# what vLLM reads from generation_config.json; the penalties it leaves at the API's 0, and so does the server
+FROM_MODEL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# fields clients commonly send that change nothing qmtp gives back: ignored without a warning
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
                      "prompt_cache_key", "request_id", "priority", "skip_special_tokens",
-                     "spaces_between_special_tokens"})
-# fields that would change the output: refused unless they hold the value that changes nothing
+                     "spaces_between_special_tokens", "cache_salt"})
+# fields that would change the output: refused unless they hold the value that changes nothing (an integer
+# written as a float, `n: 1.0`, counts as that integer)
 UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "logprobs": (None, False, 0),
@@ -36,11 +52,18 @@ UNSUPPORTED = {
     "web_search_options": (None,), "min_tokens": (None, 0), "stop_token_ids": (None, []),
     "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    # vLLM's own fields that change the prompt, the tokens or the text
+    "truncate_prompt_tokens": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "prompt_logprobs": (None, 0),
+    "logits_processors": (None,), "chat_template": (None,), "documents": (None,),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False), "mm_processor_kwargs": (None,), "vllm_xargs": (None,),
 }
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "seed", "stop", "n_draft", "ignore_eos",
                     *SAMPLER_FIELDS})
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
+ENDPOINT_FIELDS = CHAT_FIELDS | COMPLETION_FIELDS
 TEMPLATE_VARIABLES = ("enable_thinking", "preserve_thinking")
 
 
@@ -71,7 +94,7 @@ class Parsed:
 @dataclass(frozen=True)
 class Served:
     """What the server serves: the model, its name, the default draft width, and the sampler a request's
-    fields go over (None: the model's generation_config.json, read at every request)."""
+    fields go over (None: `defaults(model)`, read at every request)."""
 
     model: object
     name: str
@@ -79,49 +102,124 @@ class Served:
     sampling: Sampling | None = None
 
 
+def defaults(model) -> Sampling:
+    """The sampler a request's fields go over, as vLLM's: FROM_MODEL from the model's generation_config.json
+    (`do_sample: false` is temperature 0), the penalties at the API's defaults. Unlike `generate(...,
+    sampling="model")`, which keeps the whole file (the model card's presence_penalty included)."""
+    declared = Sampling.of_model(model)
+    return replace(Sampling(), **{name: getattr(declared, name) for name in FROM_MODEL})
+
+
+def describe_defaults(served: Served) -> dict:
+    """What /v1/models says of the sampler fields a request leaves out: each default and where it comes from."""
+    sampler = served.sampling or defaults(served.model)
+    return {"sampler_defaults": {name: getattr(sampler, name) for name in SAMPLER_FIELDS},
+            "sampler_defaults_from": {name: "generation_config.json" if name in FROM_MODEL else "api"
+                                      for name in SAMPLER_FIELDS}}
+
+
 # ---- one field at a time ------------------------------------------------------------------------------------
+FLOAT_MAX = sys.float_info.max
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_fields(body: Mapping, known: frozenset) -> None:
+def _shown(value) -> str:
+    """A value as an error message shows it: short, and never the repr of a whole (maybe deeply nested) list."""
+    if isinstance(value, (list, Mapping)):
+        return f"<{'a list' if isinstance(value, list) else 'an object'} of {len(value)}>"
+    return f"{value!r:.40}"
+
+
+def _whole(value):
+    """A float equal to an integer as that integer: clients that write every number as a float send 5.0."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()  # requests are parsed on one event loop, but tests call parse_* from threads
+MAX_WARNED = 1000  # a client may send any number of distinct names: the set stays bounded
+
+
+def _ignore(name: str) -> None:
+    with _warned_lock:
+        name = name[:60]
+        if name in _warned or len(_warned) > MAX_WARNED:
+            return
+        _warned.add(name)
+        full = len(_warned) > MAX_WARNED
+    log.warning("qmtp serve ignores the request field %r (it changes nothing qmtp gives back)%s", name,
+                "; no more unknown field names will be logged" if full else "")
+
+
+def _check_fields(body: Mapping, known: frozenset) -> dict:
+    """The body without the fields it ignores (each unknown name logged once); a 400 for a field that would
+    change the output and is not supported, or one of the other endpoint."""
+    checked = {}
     for name, value in body.items():
+        if _is_int(value) and abs(value) > FLOAT_MAX and (name in known or name in UNSUPPORTED):
+            # no field takes such a number, and the sampler's float checks would overflow on it
+            raise ApiError(f"{name}: {str(value)[:20]}... ({len(str(abs(value)))} digits) is beyond a float's "
+                           f"range", name)
         if name in UNSUPPORTED:
+            value = _whole(value)
             if not any(value == allowed and type(value) is type(allowed) for allowed in UNSUPPORTED[name]):
-                raise ApiError(f"{name} is not supported by qmtp serve (it would change the output; leave it out)",
-                               name, code="unsupported_field")
-        elif name not in known and name not in IGNORED:
-            raise ApiError(f"unknown field {name!r:.60}", str(name)[:60], code="unknown_field")
+                raise ApiError(f"{name}={_shown(value)} is not supported by qmtp serve "
+                               f"(it would change the output; leave it out)", name, code="unsupported_field")
+        elif name in ENDPOINT_FIELDS - known:  # a client that sends it expects it honoured: say where it is
+            other = "/v1/completions" if name in COMPLETION_FIELDS else "/v1/chat/completions"
+            raise ApiError(f"{name} is a field of {other}, not of this endpoint", name, code="unsupported_field")
+        elif name not in known:
+            if name not in IGNORED:
+                _ignore(name)
+            continue
+        checked[name] = value
+    return checked
 
 
 def _optional_int(body: Mapping, name: str, least: int) -> int | None:
-    value = body.get(name)
+    value = _whole(body.get(name))
     if value is None:
         return None
     if not _is_int(value) or value < least:
-        raise ApiError(f"{name}={value!r:.40} must be an integer >= {least}", name)
+        raise ApiError(f"{name}={_shown(value)} must be an integer >= {least}", name)
     return value
 
 
 def _optional_bool(body: Mapping, name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise ApiError(f"{name}={value!r:.40} must be true or false", name)
+        raise ApiError(f"{name}={_shown(value)} must be true or false", name)
     return value
 
 
-def _sampler(body: Mapping) -> dict:
+def _sampler(body: Mapping, vocab: int) -> dict:
     given = {}
     for name in SAMPLER_FIELDS:
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(f"{name}={value!r:.40} must be a number", name)
+            raise ApiError(f"{name}={_shown(value)} must be a number", name)
         if name == "top_k":
-            if value != int(value):
-                raise ApiError(f"top_k={value!r} must be a whole number (-1 or 0: no top-k filter)", name)
-            value = max(int(value), 0) if value >= -1 else value  # vLLM's -1: no filter, as 0 here
+            value = _whole(value)
+            if not _is_int(value) or value < -1:
+                raise ApiError(f"top_k={_shown(value)} must be a whole number >= -1 (-1 or 0: no top-k filter)",
+                               name)
+            # vLLM's -1 is no filter, as 0 here, and so is any k past the vocabulary (10**400 included: it
+            # overflows a float in the sampler's checks)
+            value = 0 if value == -1 or value >= vocab else value
+        else:
+            try:  # an integer beyond a float's range (10**400) overflows here, not deep in the sampler
+                value = float(value)
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise ApiError(f"{name}={value!r} must be a finite number", name)
         given[name] = value
     return given
 
@@ -148,20 +246,31 @@ def _check_model(body: Mapping, served: Served) -> None:
     if name is None:
         return
     if not isinstance(name, str):
-        raise ApiError(f"model={name!r:.40} must be a string", "model")
+        raise ApiError(f"model={_shown(name)} must be a string", "model")
     if name != served.name:
         raise ApiError(f"The model `{name[:80]}` does not exist: this server serves `{served.name}`", "model",
                        status=404, code="model_not_found")
 
 
+def _stop(stop) -> list[str] | None:
+    """The stop strings, the empty ones left out: "" can end nothing (vLLM and OpenAI accept it)."""
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError("stop must be a string or a list of strings", "stop")
+    return [s for s in stops if s] or None
+
+
 # ---- the settings -------------------------------------------------------------------------------------------
-def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_tokens: int | None) -> Settings:
+def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_tokens: int | None,
+              max_tokens_field: str = "max_tokens") -> Settings:
     model = served.model
-    n_draft = body.get("n_draft", None)
+    n_draft = _whole(body.get("n_draft", None))
     if n_draft is None:
         n_draft = served.n_draft
     elif n_draft != "auto" and (not _is_int(n_draft) or not 1 <= n_draft <= MAX_N_DRAFT):
-        raise ApiError(f"n_draft={n_draft!r:.40} must be an integer from 1 (plain decoding) to {MAX_N_DRAFT}, "
+        raise ApiError(f"n_draft={_shown(n_draft)} must be an integer from 1 (plain decoding) to {MAX_N_DRAFT}, "
                        f"or \"auto\"", "n_draft")
     limit = model.config.max_position_embeddings
     if len(prompt_tokens) > limit:
@@ -176,22 +285,21 @@ def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_token
                            code="context_length_exceeded")
         max_tokens = room
     elif max_tokens > room:
-        raise ApiError(f"the prompt is {len(prompt_tokens)} tokens and max_tokens asks for {max_tokens} more: the "
-                       f"model's context is {limit} tokens (ask for at most {max(room, 0)})", "max_tokens",
+        raise ApiError(f"the prompt is {len(prompt_tokens)} tokens and {max_tokens_field} asks for {max_tokens} "
+                       f"more: the model's context is {limit} tokens (ask for at most {max(room, 0)})",
+                       max_tokens_field,
                        code="context_length_exceeded")
-    seed = body.get("seed")
+    seed = _whole(body.get("seed"))
     if seed is None:
         seed = secrets.randbelow(SEEDS)  # as the API: a request without a seed is not reproducible
     elif not _is_int(seed) or not 0 <= seed < SEEDS:
-        raise ApiError(f"seed={seed!r:.40} must be an integer from 0 to 2**64 - 1", "seed")
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise ApiError("stop must be a string or a list of strings", "stop")
+        raise ApiError(f"seed={_shown(seed)} must be an integer from 0 to 2**64 - 1", "seed")
+    stop = _stop(body.get("stop"))
     ignore_eos = _optional_bool(body, "ignore_eos")
     try:
-        settings = Settings.of(max_tokens=max_tokens, n_draft=n_draft, seed=seed, stop=stop or None,
-                               stop_at_eos=not ignore_eos, sampling=served.sampling or "model",
-                               **_sampler(body))
+        settings = Settings.of(max_tokens=max_tokens, n_draft=n_draft, seed=seed, stop=stop,
+                               stop_at_eos=not ignore_eos, sampling=served.sampling or defaults(model),
+                               **_sampler(body, model.config.vocab_size))
         settings.check_for(model)  # the model's own sampler with the overrides, the head for drafting
     except UsageError as error:
         message = str(error)
@@ -201,18 +309,19 @@ def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_token
 
 
 # ---- the two requests ---------------------------------------------------------------------------------------
-def _head(body, served: Served, known: frozenset) -> tuple[bool, bool]:
+def _head(body, served: Served, known: frozenset) -> tuple[dict, bool, bool]:
     if not isinstance(body, Mapping):
         raise ApiError("the request body must be a JSON object")
-    _check_fields(body, known)
+    body = _check_fields(body, known)
     _check_model(body, served)
     stream = bool(_optional_bool(body, "stream"))
-    return stream, _stream_options(body, stream)
+    return body, stream, _stream_options(body, stream)
 
 
 def _messages(messages) -> list:
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects", "messages")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ApiError(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
@@ -223,7 +332,45 @@ def _messages(messages) -> list:
                         part.get("text"), str):
                     raise ApiError(f"messages[{i}].content[{j}]: qmtp serve reads text parts only "
                                    f"({{\"type\": \"text\", \"text\": ...}})", f"messages[{i}].content")
-    return messages
+        if message.get("tool_calls") is not None:
+            message = {**message, "tool_calls": _tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")}
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list:
+    """The API sends a call's arguments as a JSON string; Qwen's template reads them as an object (its
+    parameters one by one), so they are parsed here, as vLLM does before rendering."""
+    if not isinstance(calls, list):
+        raise ApiError(f"{where} must be a list of {{\"id\", \"type\": \"function\", \"function\": ...}} objects",
+                       where)
+    out = []
+    for j, call in enumerate(calls):
+        here = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ApiError(f"{here} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           f"\"arguments\": ...}}}}", here)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as error:
+                raise ApiError(f"{here}.function.arguments is not JSON: {str(error)[:120]}",
+                               f"{here}.function.arguments") from None
+        if arguments is not None and not isinstance(arguments, Mapping):
+            raise ApiError(f"{here}.function.arguments must be a JSON object of the call's parameters",
+                           f"{here}.function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    """Text's ids; text no tokenizer can encode (a lone surrogate...) is the client's to fix."""
+    try:
+        return tokenizer.encode(text)
+    except Exception as error:  # the Rust tokenizer's own errors are not QmtpErrors
+        raise ApiError(f"{param}: the tokenizer cannot encode this text: {str(error)[:200]}", param) from None
 
 
 def _template_variables(body: Mapping) -> dict:
@@ -241,9 +388,22 @@ def _template_variables(body: Mapping) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def _render(tokenizer, messages: list, enable_thinking, variables: dict) -> str:
+    """The prompt's text. A template that does not compile, or fails on a one-message conversation, is the
+    server's fault (a 500); one that fails only on these messages (it writes past its limit of characters, it
+    divides by a number they hold) is theirs: a UsageError, a 400."""
+    chat.compile_template(tokenizer.chat_template)  # cached: no cost after the first request
+    try:
+        return tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking, **variables)
+    except TemplateTimeoutError:
+        raise
+    except TemplateError as error:
+        raise UsageError(str(error)) from None
+
+
 def parse_chat(body, served: Served) -> Parsed:
     """A /v1/chat/completions request, checked: its messages rendered by the model's chat template."""
-    stream, include_usage = _head(body, served, CHAT_FIELDS)
+    body, stream, include_usage = _head(body, served, CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     variables = _template_variables(body)
     tokenizer = served.model.tokenizer
@@ -252,15 +412,18 @@ def parse_chat(body, served: Served) -> Parsed:
                        "messages", code="no_chat_template")
     enable_thinking = variables.pop("enable_thinking", None)
     try:
-        text = tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking, **variables)
+        text = _render(tokenizer, messages, enable_thinking, variables)
     except UsageError as error:
         raise ApiError(str(error), "messages") from None
-    except CheckpointError as error:  # the server's template is broken: not the client's fault
+    except TemplateTimeoutError as error:  # perhaps only a busy machine: worth a retry
+        raise ApiError(str(error), "messages", status=503, kind="server_error", code="template_timeout") from None
+    except (CheckpointError, TemplateError) as error:  # the server's template is broken: not the client's fault
         raise ApiError(str(error), None, status=500, kind="server_error") from None
-    prompt_tokens = tokenizer.encode(text)
-    given = [_optional_int(body, name, 1) for name in ("max_completion_tokens", "max_tokens")]
-    max_tokens = next((n for n in given if n is not None), None)
-    settings = _settings(body, served, prompt_tokens, max_tokens)
+    prompt_tokens = _encode(tokenizer, text, "messages")
+    names = ("max_completion_tokens", "max_tokens")
+    given = [(_optional_int(body, name, 1), name) for name in names]
+    max_tokens, field = next(((n, name) for n, name in given if n is not None), (None, "max_tokens"))
+    settings = _settings(body, served, prompt_tokens, max_tokens, field)
     return Parsed("chat", prompt_tokens, settings, stream, include_usage, chat.opens_thinking(text))
 
 
@@ -270,7 +433,9 @@ def _prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise ApiError("this model has no tokenizer: give the prompt as token ids", "prompt")
-        return tokenizer.encode(prompt)
+        return _encode(tokenizer, prompt, "prompt")
+    if isinstance(prompt, list):
+        prompt = [_whole(t) for t in prompt]
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -280,7 +445,7 @@ def _prompt(prompt, tokenizer) -> list[int]:
 
 def parse_completion(body, served: Served) -> Parsed:
     """A /v1/completions request, checked: its prompt as text or token ids."""
-    stream, include_usage = _head(body, served, COMPLETION_FIELDS)
+    body, stream, include_usage = _head(body, served, COMPLETION_FIELDS)
     prompt_tokens = _prompt(body.get("prompt"), served.model.tokenizer)
     vocab = served.model.config.vocab_size
     outside = next((t for t in prompt_tokens if not 0 <= t < vocab), None)
