@@ -402,8 +402,10 @@ glue("row_reading",
 #
 # Any OpenAI client then talks to it. Here the same app runs in this process on a free port
 # (`under_load.serving`, uvicorn in a thread), and one chat completion at temperature 0, thinking off, comes
-# back exactly as `qmtp.generate` gives it over the same messages with the server's sampler (the model's
-# `generation_config.json`, `sampling="model"`); the cell checks it.
+# back exactly as greedy `qmtp.generate` gives it over the same messages: a field the request leaves out takes
+# vLLM's default (temperature, top_p, top_k, min_p and repetition_penalty from the model's
+# `generation_config.json`, the presence and frequency penalties 0), so the card's presence penalty, which
+# `sampling="model"` would apply, is not; the cell checks it.
 
 # %%
 import openai
@@ -416,8 +418,7 @@ with under_load.serving(model, n_draft=3) as base_url:
     reply = client.chat.completions.create(model=served_model, messages=messages, temperature=0, max_tokens=24,
                                            extra_body=no_thinking)
     load = under_load.load_rounds(base_url, served_model, clients=(1, 4), n_drafts=(1, 3), max_tokens=8)
-direct = qmtp.generate(model, messages=messages, max_tokens=24, temperature=0, sampling="model", n_draft=3,
-                       enable_thinking=False)
+direct = qmtp.generate(model, messages=messages, max_tokens=24, temperature=0, n_draft=3, enable_thinking=False)
 assert reply.choices[0].message.content == direct.text
 print(reply.choices[0].message.content)
 
