@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from .continuous import ContinuousBatch
 from .errors import QmtpError, UsageError
 from .model import Model, release_at_thread_exit
-from .options import DEFAULT_ENGINE, Engine, Settings
+from .options import DEFAULT_ENGINE, Engine, Settings, checked_arguments
 from .speculative import Generation, _chat_prompt
 
 SETTINGS = ("max_tokens", "n_draft", "seed", "stop", "stop_at_eos", "sampling", "temperature", "top_k", "top_p",
@@ -58,6 +58,7 @@ def _prompt_of(model: Model, prompt, enable_thinking, chat_template_kwargs) -> l
     return _chat_prompt(model, prompt, None, enable_thinking, chat_template_kwargs)
 
 
+@checked_arguments
 def generate_batch(model: Model, prompts=None, max_tokens=64, n_draft=1, temperature=None, seed=0, *,
                    messages=None, enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
                    stop=None, stop_at_eos=True, sampling=None, top_k=None, top_p=None, min_p=None,

@@ -12,6 +12,9 @@ sampled tokens keep the trunk's distribution; only the speed and the drafts chan
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
@@ -30,6 +33,36 @@ MAX_N_DRAFT = 8
 SEEDS = 2**64  # a seed is a non-negative integer below this
 HIDDEN = ("post", "pre")  # the trunk state the head reads: after the trunk's final norm, or before it
 ROLLBACKS = ("record", "replay")
+
+
+class ArgumentError(UsageError, TypeError):
+    """Arguments that do not fit the function's signature (a keyword it does not take, one positional argument
+    too many, one given twice): a UsageError as every other refusal of a value is, and still the TypeError
+    that Python raises for it, so code that catches either keeps working."""
+
+
+def checked_arguments(function):
+    """`function`, refusing arguments its signature does not take with an ArgumentError that names them (and
+    the argument a misspelt keyword is closest to) before any of its own code runs."""
+    signature = inspect.signature(function)
+    label = function.__qualname__.removesuffix(".__init__")
+    keywords = [name for name, p in signature.parameters.items()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in ("self", "cls")]
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as err:
+            unknown = next((k for k in kwargs if k not in keywords), None)
+            if unknown is None:
+                raise ArgumentError(f"{label}: {err}") from None
+            close = difflib.get_close_matches(str(unknown), keywords, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (it takes {', '.join(keywords)})"
+            raise ArgumentError(f"{label} has no argument {unknown!r:.40}{hint}") from None
+        return function(*args, **kwargs)
+
+    return checked
 
 
 def _integer(name: str, value, auto: bool = False) -> int | str:
@@ -73,6 +106,7 @@ class Settings:
     stop_at_eos: bool = True
 
     @classmethod
+    @checked_arguments
     def of(cls, max_tokens: int = 64, n_draft: int | str = 1, seed: int = 0, stop=None, stop_at_eos: bool = True,
            sampling: Sampling | str | None = None, temperature: float | None = None, top_k: int | None = None,
            top_p: float | None = None, min_p: float | None = None, presence_penalty: float | None = None,
@@ -179,5 +213,10 @@ class Engine:
         """The head that drafts: this engine's, or the model's own."""
         return self.head if self.head is not None else model.mtp
 
+
+# A dataclass's own __init__ raises a bare TypeError for a misspelt field: refuse it as the calls taking them do.
+# (Sampling is sampling.py's, which cannot import this module: this one imports it.)
+Engine.__init__ = checked_arguments(Engine.__init__)
+Sampling.__init__ = checked_arguments(Sampling.__init__)
 
 DEFAULT_ENGINE = Engine()

@@ -180,3 +180,20 @@ def test_generate_batch_takes_message_lists_and_the_templates_arguments():
         qmtp.generate_batch(bundled, ["a"], messages=conversations)
     with pytest.raises(UsageError, match="message lists"):
         qmtp.generate_batch(bundled, ["Once upon a time"], enable_thinking=False)
+
+
+def test_an_unknown_keyword_is_a_usage_error_naming_it(small_vocab_model):
+    """Python's own TypeError for a keyword the function does not take, found by the argument fuzz
+    (tests/test_api_arguments_fuzz.py): now a UsageError naming it and the closest argument (still a TypeError)."""
+    from helpers import expect
+
+    expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1]], max_new_tokens=4), "generate_batch",
+           "'max_new_tokens'", "did you mean 'max_tokens'")
+    expect(UsageError, lambda: qmtp.generate(small_vocab_model, [1], temprature=0.5), "generate", "'temprature'",
+           "did you mean 'temperature'")
+    expect(UsageError, lambda: qmtp.generate(small_vocab_model, [1], 4, prompt=[2]), "generate", "'prompt'")
+    expect(UsageError, lambda: qmtp.generate(), "generate", "'model'")
+    expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1]], 2, 1, 0.0, 0, "extra"), "positional")
+    expect(UsageError, lambda: qmtp.Settings.of(stop_at_end=False), "Settings.of", "did you mean 'stop_at_eos'")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        qmtp.generate_batch(small_vocab_model, [[1]], top_a=0.1)

@@ -220,6 +220,17 @@ def test_bad_settings_are_refused_at_once(model, kwargs, fragment):
     expect(UsageError, lambda: qmtp.Conversation(model, **kwargs), fragment)
 
 
+def test_an_unknown_keyword_is_a_usage_error_naming_it(model):
+    message = expect(UsageError, lambda: qmtp.Conversation(model, max_new_tokens=8), "Conversation",
+                     "'max_new_tokens'", "did you mean 'max_tokens'")
+    conversation = qmtp.Conversation(model, max_tokens=2)
+    expect(UsageError, lambda: conversation.send("Hi", stream=True), "Conversation.send", "'stream'")
+    expect(UsageError, lambda: conversation.next_prompt(), "Conversation.next_prompt", "message")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        conversation.send("Hi", 3)
+    assert conversation.turns == 0 and "\n" not in message
+
+
 def test_bad_messages_are_refused(model, tmp_path):
     conversation = qmtp.Conversation(model)
     for message, fragment in [("", "empty"), ("  \n", "empty"), (None, "text"), (["hi"], "text"),

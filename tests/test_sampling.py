@@ -235,3 +235,16 @@ def test_chat_samples_with_the_models_settings_unless_flags_override(tmp_path, c
     assert text == qmtp.generate(model, prompt, max_tokens=24, repetition_penalty=1.3).text
     assert main(["chat", str(path), "--raw", "--prompt", prompt, "--top-p", "2"]) == 2
     assert "top_p=2.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_an_unknown_sampler_or_engine_field_is_a_usage_error_naming_it():
+    """A dataclass's own __init__ raised a bare TypeError for a misspelt field (the fuzz's unknown keywords)."""
+    from helpers import expect
+
+    message = expect(UsageError, lambda: Sampling(temprature=0.7), "Sampling", "'temprature'", "'temperature'")
+    assert "did you mean" in message
+    expect(UsageError, lambda: Sampling(0.5, 1, 1.0, 0.0, 0.0, 0.0, 1.0, 9), "Sampling", "positional")
+    expect(UsageError, lambda: qmtp.Engine(rollbak="replay"), "Engine", "'rollbak'", "'rollback'")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        Sampling(top_kk=3)
+    assert Sampling(0.5, top_k=3) == Sampling(temperature=0.5, top_k=3)
