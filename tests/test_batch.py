@@ -197,3 +197,18 @@ def test_an_unknown_keyword_is_a_usage_error_naming_it(small_vocab_model):
     expect(UsageError, lambda: qmtp.Settings.of(stop_at_end=False), "Settings.of", "did you mean 'stop_at_eos'")
     with pytest.raises(TypeError):  # still the TypeError Python raises for it
         qmtp.generate_batch(small_vocab_model, [[1]], top_a=0.1)
+
+
+def test_a_rows_bad_template_variables_name_the_row():
+    """`chat_template_kwargs={'messages': ...}` collided with apply_chat_template's own argument: a bare
+    TypeError, found by the argument fuzz."""
+    bundled = qmtp.load()
+    conversations = [[{"role": "user", "content": "Hi."}], [{"role": "user", "content": "Hello."}]]
+    with pytest.raises(UsageError, match=r"^row 1: chat_template_kwargs: messages cannot be a template variable"):
+        qmtp.generate_batch(bundled, messages=conversations, max_tokens=2,
+                            chat_template_kwargs=[None, {"messages": []}])
+    with pytest.raises(UsageError, match=r"^row 0: chat_template_kwargs: enable_thinking='no'"):
+        qmtp.generate_batch(bundled, messages=conversations, max_tokens=2,
+                            chat_template_kwargs={"enable_thinking": "no"})
+    with pytest.raises(UsageError, match=r"^chat_template_kwargs: messages cannot"):
+        qmtp.generate(bundled, messages=conversations[0], max_tokens=2, chat_template_kwargs={"messages": []})
