@@ -212,3 +212,17 @@ def test_a_rows_bad_template_variables_name_the_row():
                             chat_template_kwargs={"enable_thinking": "no"})
     with pytest.raises(UsageError, match=r"^chat_template_kwargs: messages cannot"):
         qmtp.generate(bundled, messages=conversations[0], max_tokens=2, chat_template_kwargs={"messages": []})
+
+
+def test_max_batch_is_a_count_of_rows_or_none(small_vocab_model):
+    """0 and False were taken as "every row at once" (`max_batch or rows`), and a numpy integer was refused
+    though every other count takes one."""
+    from helpers import expect
+
+    for bad in (0, False, -1, 1.5, "2"):
+        expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1], [2]], max_tokens=2, max_batch=bad),
+               "max_batch")
+    alone = [qmtp.generate(small_vocab_model, p, max_tokens=3).tokens for p in ([1], [2], [3])]
+    for fine in (None, 1, np.int64(2), 5):
+        batch = qmtp.generate_batch(small_vocab_model, [[1], [2], [3]], max_tokens=3, max_batch=fine)
+        assert [row.tokens for row in batch] == alone, fine
