@@ -68,7 +68,7 @@ def checked_arguments(function):
 def _integer(name: str, value, auto: bool = False) -> int | str:
     """An int (numpy integers included) or, where allowed, "auto"; a UsageError for anything else (MLX and
     range checks would raise a bare TypeError on them)."""
-    if auto and value == "auto":
+    if auto and isinstance(value, str) and value == "auto":  # an array's == is an array, no truth value
         return "auto"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise UsageError(f"{name}={value!r:.40} must be an integer" + (" or 'auto'" if auto else ""))
@@ -204,8 +204,14 @@ class Engine:
                              f"{type(self.head).__name__}")
         for name, allowed in (("hidden", HIDDEN), ("head_cache", HEAD_CACHES), ("chain", CHAINS),
                               ("rollback", ROLLBACKS), ("acceptance", ACCEPTANCES)):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:  # `in` would compare an array elementwise
+                raise UsageError(f"{name}={value!r:.40}: use {' or '.join(map(repr, allowed))}")
+        for name in ("track_experts", "compiled", "queue_ahead"):  # "no" would be truthy: on
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise UsageError(f"{name}={value!r:.40} must be True or False")
+            object.__setattr__(self, name, bool(value))  # a numpy bool as Python's: engines compare equal
         if self.timer is not None and not callable(self.timer):
             raise UsageError("timer: give a qmtp.speculative.PhaseTimer (or None)")
 

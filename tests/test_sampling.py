@@ -280,3 +280,15 @@ def test_an_unknown_sampler_or_engine_field_is_a_usage_error_naming_it():
     with pytest.raises(TypeError):  # still the TypeError Python raises for it
         Sampling(top_kk=3)
     assert Sampling(0.5, top_k=3) == Sampling(temperature=0.5, top_k=3)
+
+
+def test_an_array_for_a_setting_or_an_engine_switch_is_a_usage_error():
+    """`value == "auto"` and `value in (...)` compare an array elementwise: the truth value of the result was a
+    ValueError (found by the argument fuzz); an engine's on/off switches took any truthy value as on."""
+    from helpers import expect
+
+    expect(UsageError, lambda: qmtp.Settings.of(n_draft=np.array([1, 2])), "n_draft=array([1, 2])")
+    expect(UsageError, lambda: qmtp.Engine(hidden=np.array([1, 2])), "hidden=array([1, 2])", "'post'")
+    for switch in ("compiled", "queue_ahead", "track_experts"):
+        expect(UsageError, lambda: qmtp.Engine(**{switch: "no"}), f"{switch}='no' must be True or False")
+    assert qmtp.Engine(compiled=np.bool_(False)) == qmtp.Engine(compiled=False)
