@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from .continuous import ContinuousBatch
 from .errors import QmtpError, UsageError
 from .model import Model, release_at_thread_exit
-from .options import DEFAULT_ENGINE, Engine, Settings
+from .options import DEFAULT_ENGINE, Engine, Settings, _integer, checked_arguments
 from .speculative import Generation, _chat_prompt
 
 SETTINGS = ("max_tokens", "n_draft", "seed", "stop", "stop_at_eos", "sampling", "temperature", "top_k", "top_p",
@@ -58,6 +58,7 @@ def _prompt_of(model: Model, prompt, enable_thinking, chat_template_kwargs) -> l
     return _chat_prompt(model, prompt, None, enable_thinking, chat_template_kwargs)
 
 
+@checked_arguments
 def generate_batch(model: Model, prompts=None, max_tokens=64, n_draft=1, temperature=None, seed=0, *,
                    messages=None, enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
                    stop=None, stop_at_eos=True, sampling=None, top_k=None, top_p=None, min_p=None,
@@ -72,6 +73,10 @@ def generate_batch(model: Model, prompts=None, max_tokens=64, n_draft=1, tempera
     `max_batch`: rows decoding at once (default: all). Returns a `BatchResult`."""
     if not isinstance(model, Model):
         raise UsageError(f"model: give a qmtp Model (qmtp.load(path)), not {type(model).__name__}")
+    if max_batch is not None:  # not `max_batch or rows`: 0 or False would have meant every row at once
+        max_batch = _integer("max_batch", max_batch)
+        if max_batch < 1:
+            raise UsageError(f"max_batch={max_batch} must be at least 1 (None: every row at once)")
     if messages is not None:
         if prompts is not None:
             raise UsageError("give prompts or messages (one conversation per row), not both")
@@ -92,7 +97,7 @@ def generate_batch(model: Model, prompts=None, max_tokens=64, n_draft=1, tempera
     if (enable_thinking is not None or chat_template_kwargs is not None) and not any(map(_is_messages, prompts)):
         raise UsageError("enable_thinking and chat_template_kwargs shape a chat template's prompt: give message "
                          "lists (messages=[...] or prompts that are message lists) to use them")
-    batch = ContinuousBatch(model, max_batch=max_batch or rows, engine=engine)
+    batch = ContinuousBatch(model, max_batch=rows if max_batch is None else max_batch, engine=engine)
     requests = []
     for row, prompt in enumerate(prompts):
         try:

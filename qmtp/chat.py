@@ -91,8 +91,12 @@ def generation_variables(enable_thinking, variables: Mapping | None) -> tuple[bo
     bad = next((k for k in rest if not isinstance(k, str)), None)
     if bad is not None:
         raise UsageError(f"chat_template_kwargs: {bad!r:.40} is not a variable name (give text keys)")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):  # the template tests `is false`
+        raise UsageError(f"enable_thinking={enable_thinking!r:.40} must be True, False or None")
     if "enable_thinking" in rest:
         given = rest.pop("enable_thinking")
+        if given is not None and not isinstance(given, bool):
+            raise UsageError(f"chat_template_kwargs: enable_thinking={given!r:.40} must be True, False or None")
         if enable_thinking is not None and given is not enable_thinking:
             raise UsageError(f"enable_thinking is given twice: {enable_thinking!r} as an argument and {given!r:.20} in "
                              f"chat_template_kwargs; give it once")
@@ -101,7 +105,17 @@ def generation_variables(enable_thinking, variables: Mapping | None) -> tuple[bo
         if name in rest and rest.pop(name) is not True:
             raise UsageError(f"chat_template_kwargs: {name} must be True here (generation starts from the "
                              f"tokenized prompt with its generation prompt), or left out")
-    return enable_thinking, rest
+    # Checked here, where the variables are first taken, so that a Conversation refuses them when it is made
+    # (not at its first message) and a batch names the row: what rendering would refuse later, or what
+    # `apply_chat_template`'s own parameters would take as theirs.
+    clash = next((name for name in ("messages", "template", "special_tokens") if name in rest), None)
+    if clash is not None:
+        raise UsageError(f"chat_template_kwargs: {clash} cannot be a template variable here: the chat sets it")
+    if "chat_template" in rest and not isinstance(rest["chat_template"], str):
+        raise UsageError(f"chat_template_kwargs: chat_template must be a template's text or name, not "
+                         f"{type(rest['chat_template']).__name__}")
+    _check_tools(rest.get("tools"), "chat_template_kwargs: tools")
+    return enable_thinking, _plain(rest, "chat_template_kwargs")
 
 
 # ---- the Jinja environment, as transformers builds it -----------------------------------------------------
@@ -284,6 +298,16 @@ def _messages(messages) -> list[dict]:
     return out
 
 
+def _check_tools(tools, where: str) -> None:
+    if tools is None:
+        return
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise UsageError(f"{where}: give a list of JSON schemas (dicts), not {type(tools).__name__}")
+    bad = next((t for t in tools if not isinstance(t, Mapping)), None)
+    if bad is not None:
+        raise UsageError(f"{where}: each tool is a JSON schema (a dict), not {type(bad).__name__} {bad!r:.40}")
+
+
 def render(template: str, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
            special_tokens: Mapping[str, str] | None = None, **kwargs) -> str:
     """The text of `messages` (and `tools`, JSON schemas) under `template`; `kwargs` (enable_thinking,
@@ -292,12 +316,7 @@ def render(template: str, messages, *, tools=None, documents=None, add_generatio
     import jinja2
 
     chat = _messages(messages)
-    if tools is not None:
-        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-            raise UsageError(f"tools: give a list of JSON schemas (dicts), not {type(tools).__name__}")
-        bad = next((t for t in tools if not isinstance(t, Mapping)), None)
-        if bad is not None:
-            raise UsageError(f"tools: each tool is a JSON schema (a dict), not {type(bad).__name__} {bad!r:.40}")
+    _check_tools(tools, "tools")
     variables = _plain({**(special_tokens or {}), **kwargs}, "template argument")
     data = dict(messages=chat, tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
                 add_generation_prompt=add_generation_prompt, **variables)

@@ -21,7 +21,7 @@ from dataclasses import replace
 from . import chat
 from .errors import UsageError
 from .model import Model
-from .options import SEEDS, Settings
+from .options import SEEDS, Settings, checked_arguments
 from .prefix_cache import PrefixCache, common_prefix
 from .sampling import Sampling
 from .speculative import Generation, _prompt_tokens, decode
@@ -44,6 +44,7 @@ class Conversation:
     each message (text or token ids) is appended to the ids of the messages and replies before it.
     """
 
+    @checked_arguments
     def __init__(self, model: Model, system: str | None = None, *, enable_thinking: bool | None = None,
                  chat_template_kwargs: Mapping | None = None, raw: bool = False, max_tokens: int = 256,
                  n_draft: int | str = 1, seed: int = 0, stop=None, stop_at_eos: bool = True,
@@ -101,6 +102,7 @@ class Conversation:
         """With raw=True, the ids of the messages and replies so far (a copy)."""
         return list(self._tokens)
 
+    @checked_arguments
     def next_prompt(self, message) -> str:
         """The prompt's text that sending `message` next would generate after (a chat shows the reply's
         thinking apart when this prompt opens a think block: `qmtp.chat.opens_thinking`)."""
@@ -108,6 +110,7 @@ class Conversation:
             return self.model.tokenizer.decode(self._prompt_ids(message)) if self.model.tokenizer else ""
         return self._render(self._with(message), add_generation_prompt=True)
 
+    @checked_arguments
     def send(self, message, *, on_tokens=None) -> Generation:
         """Add a user message, generate the reply (streamed to `on_tokens`, as in `generate`), add it to the
         history, and return the generation. A message the template or the model refuses leaves the history

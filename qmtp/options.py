@@ -12,6 +12,9 @@ sampled tokens keep the trunk's distribution; only the speed and the drafts chan
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
@@ -32,10 +35,40 @@ HIDDEN = ("post", "pre")  # the trunk state the head reads: after the trunk's fi
 ROLLBACKS = ("record", "replay")
 
 
+class ArgumentError(UsageError, TypeError):
+    """Arguments that do not fit the function's signature (a keyword it does not take, one positional argument
+    too many, one given twice): a UsageError as every other refusal of a value is, and still the TypeError
+    that Python raises for it, so code that catches either keeps working."""
+
+
+def checked_arguments(function):
+    """`function`, refusing arguments its signature does not take with an ArgumentError that names them (and
+    the argument a misspelt keyword is closest to) before any of its own code runs."""
+    signature = inspect.signature(function)
+    label = function.__qualname__.removesuffix(".__init__")
+    keywords = [name for name, p in signature.parameters.items()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in ("self", "cls")]
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as err:
+            unknown = next((k for k in kwargs if k not in keywords), None)
+            if unknown is None:
+                raise ArgumentError(f"{label}: {err}") from None
+            close = difflib.get_close_matches(str(unknown), keywords, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (it takes {', '.join(keywords)})"
+            raise ArgumentError(f"{label} has no argument {unknown!r:.40}{hint}") from None
+        return function(*args, **kwargs)
+
+    return checked
+
+
 def _integer(name: str, value, auto: bool = False) -> int | str:
     """An int (numpy integers included) or, where allowed, "auto"; a UsageError for anything else (MLX and
     range checks would raise a bare TypeError on them)."""
-    if auto and value == "auto":
+    if auto and isinstance(value, str) and value == "auto":  # an array's == is an array, no truth value
         return "auto"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise UsageError(f"{name}={value!r:.40} must be an integer" + (" or 'auto'" if auto else ""))
@@ -73,6 +106,7 @@ class Settings:
     stop_at_eos: bool = True
 
     @classmethod
+    @checked_arguments
     def of(cls, max_tokens: int = 64, n_draft: int | str = 1, seed: int = 0, stop=None, stop_at_eos: bool = True,
            sampling: Sampling | str | None = None, temperature: float | None = None, top_k: int | None = None,
            top_p: float | None = None, min_p: float | None = None, presence_penalty: float | None = None,
@@ -170,8 +204,14 @@ class Engine:
                              f"{type(self.head).__name__}")
         for name, allowed in (("hidden", HIDDEN), ("head_cache", HEAD_CACHES), ("chain", CHAINS),
                               ("rollback", ROLLBACKS), ("acceptance", ACCEPTANCES)):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:  # `in` would compare an array elementwise
+                raise UsageError(f"{name}={value!r:.40}: use {' or '.join(map(repr, allowed))}")
+        for name in ("track_experts", "compiled", "queue_ahead"):  # "no" would be truthy: on
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise UsageError(f"{name}={value!r:.40} must be True or False")
+            object.__setattr__(self, name, bool(value))  # a numpy bool as Python's: engines compare equal
         if self.timer is not None and not callable(self.timer):
             raise UsageError("timer: give a qmtp.speculative.PhaseTimer (or None)")
 
@@ -179,5 +219,10 @@ class Engine:
         """The head that drafts: this engine's, or the model's own."""
         return self.head if self.head is not None else model.mtp
 
+
+# A dataclass's own __init__ raises a bare TypeError for a misspelt field: refuse it as the calls taking them do.
+# (Sampling is sampling.py's, which cannot import this module: this one imports it.)
+Engine.__init__ = checked_arguments(Engine.__init__)
+Sampling.__init__ = checked_arguments(Sampling.__init__)
 
 DEFAULT_ENGINE = Engine()

@@ -145,14 +145,23 @@ def one_hot(tokens: mx.array, vocab: int) -> mx.array:
 def penalise(logits: mx.array, counts: mx.array, prompt_seen: mx.array, s: Sampling) -> mx.array:
     """Logits [n, V] with the penalties applied; counts [n, V]: how often each token was generated before
     each row's position; prompt_seen [V]: the tokens of the prompt."""
+    # A penalty is a finite number but may be past what the logits' dtype holds (1e300 in float32, 1e5 in
+    # float16): it is then inf there, and inf times a count of 0 (or a logit of 0) is NaN, which makes every
+    # token's logit NaN and the argmax token 0. So no penalty multiplies what it leaves alone, and a penalised
+    # logit that overflows stays at the dtype's largest magnitude: ties are still an argmax and a softmax.
+    generated = counts > 0
     if s.repetition_penalty != 1:
-        seen = (counts > 0) | prompt_seen
-        scaled = mx.where(logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty)
+        seen = generated | prompt_seen
+        scaled = mx.where(logits > 0, logits / s.repetition_penalty,
+                          mx.where(logits < 0, logits * s.repetition_penalty, logits))
         logits = mx.where(seen, scaled, logits)
     if s.presence_penalty:
-        logits = logits - s.presence_penalty * (counts > 0).astype(logits.dtype)
+        logits = mx.where(generated, logits - s.presence_penalty, logits)
     if s.frequency_penalty:
-        logits = logits - s.frequency_penalty * counts
+        logits = mx.where(generated, logits - s.frequency_penalty * counts, logits)
+    if s.penalised:
+        largest = mx.finfo(logits.dtype).max
+        logits = mx.clip(logits, -largest, largest)
     return logits
 
 

@@ -35,7 +35,7 @@ from .errors import NonFiniteLogitsError, UsageError
 from . import acceptance, adaptive, chat, decoding, parallel
 from .adaptive import DraftPlanner
 from .model import Model, release_at_thread_exit
-from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
+from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings, checked_arguments
 from .prefix_cache import PrefixCache, Resume
 from .sampling import Sampling
 from .text import ReplyText
@@ -258,7 +258,7 @@ def _one_call_at_a_time(generate):
         with model.lock:
             return generate(model, *args, **kwargs)
 
-    return serialised
+    return checked_arguments(serialised)  # a misspelt keyword is a UsageError before the lock is taken
 
 
 @_one_call_at_a_time

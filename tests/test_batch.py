@@ -180,3 +180,49 @@ def test_generate_batch_takes_message_lists_and_the_templates_arguments():
         qmtp.generate_batch(bundled, ["a"], messages=conversations)
     with pytest.raises(UsageError, match="message lists"):
         qmtp.generate_batch(bundled, ["Once upon a time"], enable_thinking=False)
+
+
+def test_an_unknown_keyword_is_a_usage_error_naming_it(small_vocab_model):
+    """Python's own TypeError for a keyword the function does not take, found by the argument fuzz
+    (tests/test_api_arguments_fuzz.py): now a UsageError naming it and the closest argument (still a TypeError)."""
+    from helpers import expect
+
+    expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1]], max_new_tokens=4), "generate_batch",
+           "'max_new_tokens'", "did you mean 'max_tokens'")
+    expect(UsageError, lambda: qmtp.generate(small_vocab_model, [1], temprature=0.5), "generate", "'temprature'",
+           "did you mean 'temperature'")
+    expect(UsageError, lambda: qmtp.generate(small_vocab_model, [1], 4, prompt=[2]), "generate", "'prompt'")
+    expect(UsageError, lambda: qmtp.generate(), "generate", "'model'")
+    expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1]], 2, 1, 0.0, 0, "extra"), "positional")
+    expect(UsageError, lambda: qmtp.Settings.of(stop_at_end=False), "Settings.of", "did you mean 'stop_at_eos'")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        qmtp.generate_batch(small_vocab_model, [[1]], top_a=0.1)
+
+
+def test_a_rows_bad_template_variables_name_the_row():
+    """`chat_template_kwargs={'messages': ...}` collided with apply_chat_template's own argument: a bare
+    TypeError, found by the argument fuzz."""
+    bundled = qmtp.load()
+    conversations = [[{"role": "user", "content": "Hi."}], [{"role": "user", "content": "Hello."}]]
+    with pytest.raises(UsageError, match=r"^row 1: chat_template_kwargs: messages cannot be a template variable"):
+        qmtp.generate_batch(bundled, messages=conversations, max_tokens=2,
+                            chat_template_kwargs=[None, {"messages": []}])
+    with pytest.raises(UsageError, match=r"^row 0: chat_template_kwargs: enable_thinking='no'"):
+        qmtp.generate_batch(bundled, messages=conversations, max_tokens=2,
+                            chat_template_kwargs={"enable_thinking": "no"})
+    with pytest.raises(UsageError, match=r"^chat_template_kwargs: messages cannot"):
+        qmtp.generate(bundled, messages=conversations[0], max_tokens=2, chat_template_kwargs={"messages": []})
+
+
+def test_max_batch_is_a_count_of_rows_or_none(small_vocab_model):
+    """0 and False were taken as "every row at once" (`max_batch or rows`), and a numpy integer was refused
+    though every other count takes one."""
+    from helpers import expect
+
+    for bad in (0, False, -1, 1.5, "2"):
+        expect(UsageError, lambda: qmtp.generate_batch(small_vocab_model, [[1], [2]], max_tokens=2, max_batch=bad),
+               "max_batch")
+    alone = [qmtp.generate(small_vocab_model, p, max_tokens=3).tokens for p in ([1], [2], [3])]
+    for fine in (None, 1, np.int64(2), 5):
+        batch = qmtp.generate_batch(small_vocab_model, [[1], [2], [3]], max_tokens=3, max_batch=fine)
+        assert [row.tokens for row in batch] == alone, fine

@@ -220,6 +220,32 @@ def test_bad_settings_are_refused_at_once(model, kwargs, fragment):
     expect(UsageError, lambda: qmtp.Conversation(model, **kwargs), fragment)
 
 
+@pytest.mark.parametrize("variables, fragment", [
+    ({"enable_thinking": "no"}, "enable_thinking='no'"),
+    ({"tools": "x"}, "chat_template_kwargs: tools"),
+    ({"messages": []}, "messages cannot be a template variable"),  # was a TypeError from apply_chat_template
+    ({"\ud800": 1}, "lone surrogate"),
+    ({"x": object()}, "chat_template_kwargs['x']"),
+    ({"chat_template": 3}, "chat_template must be"),
+])
+def test_bad_template_variables_are_refused_when_the_conversation_is_made(model, variables, fragment):
+    """The fuzz found these accepted by the constructor, then refused at the first message (or, for
+    `messages`, a bare TypeError there)."""
+    message = expect(UsageError, lambda: qmtp.Conversation(model, chat_template_kwargs=variables), fragment)
+    assert "chat_template_kwargs" in message
+
+
+def test_an_unknown_keyword_is_a_usage_error_naming_it(model):
+    message = expect(UsageError, lambda: qmtp.Conversation(model, max_new_tokens=8), "Conversation",
+                     "'max_new_tokens'", "did you mean 'max_tokens'")
+    conversation = qmtp.Conversation(model, max_tokens=2)
+    expect(UsageError, lambda: conversation.send("Hi", stream=True), "Conversation.send", "'stream'")
+    expect(UsageError, lambda: conversation.next_prompt(), "Conversation.next_prompt", "message")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        conversation.send("Hi", 3)
+    assert conversation.turns == 0 and "\n" not in message
+
+
 def test_bad_messages_are_refused(model, tmp_path):
     conversation = qmtp.Conversation(model)
     for message, fragment in [("", "empty"), ("  \n", "empty"), (None, "text"), (["hi"], "text"),

@@ -235,3 +235,60 @@ def test_chat_samples_with_the_models_settings_unless_flags_override(tmp_path, c
     assert text == qmtp.generate(model, prompt, max_tokens=24, repetition_penalty=1.3).text
     assert main(["chat", str(path), "--raw", "--prompt", prompt, "--top-p", "2"]) == 2
     assert "top_p=2.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_penalties_past_the_dtypes_range_leave_the_logits_finite(dtype):
+    """A penalty of 1e300 is finite to Python but inf in float32 (1e5 in float16): inf times a count of 0, or
+    times a logit of 0, was NaN, and every logit with it. Found by tests/test_api_arguments_fuzz.py."""
+    from qmtp.sampling import penalise
+
+    logits = mx.array([[2.0, 0.0, -1.5, 3.0, 0.5]], dtype)
+    counts = mx.array([[1.0, 0.0, 3.0, 0.0, 0.0]])
+    prompt_seen = mx.array([False, True, False, False, True])
+    for huge in (1e300, 1e6, -1e300):
+        for s in (Sampling(presence_penalty=huge), Sampling(frequency_penalty=huge),
+                  Sampling(repetition_penalty=abs(huge)), Sampling(repetition_penalty=1 / abs(huge))):
+            out = penalise(logits, counts, prompt_seen, s)
+            assert mx.isfinite(out).all().item(), (s, out)
+    # unseen tokens are left exactly as they were, and a penalised one is ranked below them
+    out = penalise(logits, counts, prompt_seen, Sampling(presence_penalty=1e300))
+    assert np.array_equal(np.array(out[0, [1, 3, 4]].astype(mx.float32)), [0.0, 3.0, 0.5])
+    assert out[0, 0].item() < -1e4 and out[0, 2].item() < -1e4
+
+
+def test_a_huge_presence_penalty_bans_repeats_instead_of_giving_token_0(model):
+    """Greedy with presence_penalty=1e300 is greedy with a ban on generated tokens (1e4 bans them as well on the
+    tiny model): NaN logits had made its first token 0 though the penalty counts no token before it."""
+    prompt = [5, 6, 7, 5]
+    banned = qmtp.generate(model, prompt, max_tokens=12, stop_at_eos=False, presence_penalty=1e300).tokens
+    assert banned == qmtp.generate(model, prompt, max_tokens=12, stop_at_eos=False, presence_penalty=1e4).tokens
+    assert banned[0] == qmtp.generate(model, prompt, max_tokens=1).tokens[0]
+    assert len(set(banned)) == len(banned)
+    boosted = qmtp.generate(model, prompt, max_tokens=6, stop_at_eos=False, frequency_penalty=-1e300).tokens
+    assert boosted == [banned[0]] * 6
+
+
+def test_an_unknown_sampler_or_engine_field_is_a_usage_error_naming_it():
+    """A dataclass's own __init__ raised a bare TypeError for a misspelt field (the fuzz's unknown keywords)."""
+    from helpers import expect
+
+    message = expect(UsageError, lambda: Sampling(temprature=0.7), "Sampling", "'temprature'", "'temperature'")
+    assert "did you mean" in message
+    expect(UsageError, lambda: Sampling(0.5, 1, 1.0, 0.0, 0.0, 0.0, 1.0, 9), "Sampling", "positional")
+    expect(UsageError, lambda: qmtp.Engine(rollbak="replay"), "Engine", "'rollbak'", "'rollback'")
+    with pytest.raises(TypeError):  # still the TypeError Python raises for it
+        Sampling(top_kk=3)
+    assert Sampling(0.5, top_k=3) == Sampling(temperature=0.5, top_k=3)
+
+
+def test_an_array_for_a_setting_or_an_engine_switch_is_a_usage_error():
+    """`value == "auto"` and `value in (...)` compare an array elementwise: the truth value of the result was a
+    ValueError (found by the argument fuzz); an engine's on/off switches took any truthy value as on."""
+    from helpers import expect
+
+    expect(UsageError, lambda: qmtp.Settings.of(n_draft=np.array([1, 2])), "n_draft=array([1, 2])")
+    expect(UsageError, lambda: qmtp.Engine(hidden=np.array([1, 2])), "hidden=array([1, 2])", "'post'")
+    for switch in ("compiled", "queue_ahead", "track_experts"):
+        expect(UsageError, lambda: qmtp.Engine(**{switch: "no"}), f"{switch}='no' must be True or False")
+    assert qmtp.Engine(compiled=np.bool_(False)) == qmtp.Engine(compiled=False)
