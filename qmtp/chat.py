@@ -110,7 +110,7 @@ def generation_variables(enable_thinking, variables: Mapping | None) -> tuple[bo
     # `apply_chat_template`'s own parameters would take as theirs.
     clash = next((name for name in ("messages", "template", "special_tokens") if name in rest), None)
     if clash is not None:
-        raise UsageError(f"chat_template_kwargs: {clash} cannot be a template variable here: the chat sets it")
+        raise UsageError(f"chat_template_kwargs: {clash} cannot be a template variable here: apply_chat_template sets it")
     if "chat_template" in rest and not isinstance(rest["chat_template"], str):
         raise UsageError(f"chat_template_kwargs: chat_template must be a template's text or name, not "
                          f"{type(rest['chat_template']).__name__}")

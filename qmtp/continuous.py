@@ -390,13 +390,13 @@ class ContinuousBatch:
 
     @property
     def active(self) -> int:
-        """Requests holding a row: decoding, or admitted and still prefilling."""
+        """Requests holding a row, decoding or admitted and still prefilling."""
         return len(self._rows) + len(self._joining)
 
     @property
     def waiting(self) -> int:
-        """Requests that wait for a row: those queued beyond the rows still free (a burst the engine has not yet
-        admitted waits for nothing while rows are free)."""
+        """Requests that wait for a row, the ones queued beyond the rows still free (a burst the engine has not
+        yet admitted waits for nothing while rows are free)."""
         return max(0, len(self._queue) - max(0, self.max_batch - self.active))
 
     def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None, on_done=None) -> Request:

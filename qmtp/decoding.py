@@ -362,7 +362,7 @@ class RowReport:
 
     @property
     def emitted(self) -> list[int]:
-        """The tokens the step adds to the row's reply: the accepted drafts, then the trunk's next."""
+        """The tokens the step adds to the row's reply, the accepted drafts and then the trunk's next."""
         return self.tokens[1:self.keep] + [self.next_token]
 
 
