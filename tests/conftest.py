@@ -73,3 +73,37 @@ def mtp_logits(model, tokens):
     """The head's teacher-forced logits [B, T-1, vocab]: position t from the trunk's h_t (after the final norm)
     and x_{t+1}, predicting x_{t+2}."""
     return model.logits(model.head_states(run_trunk(model, tokens)[1], tokens))
+
+
+# ---- property-based tests: one budget and seed rule for every fuzz file ----------------------------------------
+def fuzz(default_examples: int):
+    """Hypothesis settings for one property: `default_examples`, or QMTP_FUZZ_EXAMPLES when that is set;
+    derandomized (the same source tree gives the same examples) unless QMTP_FUZZ_SEED picks another stream."""
+    import os
+
+    from hypothesis import HealthCheck, seed, settings
+
+    examples = int(os.environ.get("QMTP_FUZZ_EXAMPLES", "0") or 0)
+    chosen = os.environ.get("QMTP_FUZZ_SEED")
+
+    def wrap(test):
+        configured = settings(
+            max_examples=examples or default_examples,
+            deadline=None,  # a loaded 2-core machine makes per-example timings meaningless
+            derandomize=chosen is None,
+            database=None,  # no failing examples saved to or replayed from .hypothesis/
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+            print_blob=True,
+        )(test)
+        return seed(int(chosen))(configured) if chosen is not None else configured
+
+    return wrap
+
+
+def event(what: str) -> None:
+    """Count an outcome for --hypothesis-show-statistics (a no-op outside a property, in plain tests)."""
+    from hypothesis import currently_in_test_context
+    from hypothesis import event as count
+
+    if currently_in_test_context():
+        count(what)

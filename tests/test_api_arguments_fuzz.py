@@ -34,7 +34,7 @@ from qmtp import Engine, Sampling, Settings
 from qmtp.batch import SETTINGS, BatchResult
 from qmtp.errors import QmtpError
 from qmtp.speculative import Generation
-from test_fuzz import event, fuzz
+from conftest import event, fuzz
 
 MAX_TOKENS = 6  # every generated call asks for at most this many tokens, so that examples stay fast
 SLOW_CALL = 30  # seconds: far beyond what a call of <= 6 tokens on the tiny model takes on a busy machine

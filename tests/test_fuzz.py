@@ -27,11 +27,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, currently_in_test_context, example, given, seed, settings
-from hypothesis import event as _event
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conftest import small_config
+from conftest import event, fuzz, small_config
 from helpers import read_header
 import qmtp
 from qmtp import checkpoint as ckpt_mod
@@ -41,30 +40,6 @@ from qmtp.errors import CheckpointError, QmtpError
 
 # ---- budget ------------------------------------------------------------------------------------------------
 _EXTRA = int(os.environ.get("QMTP_FUZZ_EXAMPLES", "0") or 0)
-_SEED = os.environ.get("QMTP_FUZZ_SEED")
-
-
-def fuzz(default_examples: int):
-    """settings for one property: `default_examples`, or QMTP_FUZZ_EXAMPLES when that is set."""
-
-    def wrap(test):
-        configured = settings(
-            max_examples=_EXTRA or default_examples,
-            deadline=None,  # a loaded 2-core machine makes per-example timings meaningless
-            derandomize=_SEED is None,
-            database=None,  # no failing examples saved to or replayed from .hypothesis/
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-            print_blob=True,
-        )(test)
-        return seed(int(_SEED))(configured) if _SEED is not None else configured
-
-    return wrap
-
-
-def event(what: str) -> None:
-    """Count an outcome for --hypothesis-show-statistics (a no-op in the plain tests that share helpers)."""
-    if currently_in_test_context():
-        _event(what)
 
 
 @pytest.fixture(scope="module")

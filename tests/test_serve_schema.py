@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 
 import pytest
-from hypothesis import HealthCheck, event, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
@@ -41,28 +40,12 @@ from starlette.testclient import TestClient  # noqa: E402
 import qmtp  # noqa: E402
 from qmtp.serve import protocol  # noqa: E402
 from qmtp.serve.main import build  # noqa: E402
+from conftest import event, fuzz  # noqa: E402
 
-_EXAMPLES = int(os.environ.get("QMTP_FUZZ_EXAMPLES", "0") or 0)
-_SEED = os.environ.get("QMTP_FUZZ_SEED")
 CHECK_EVERY = 25
 MAX_TOKENS = 8
 
 
-def fuzz(default_examples: int):
-    """settings for one property: `default_examples`, or QMTP_FUZZ_EXAMPLES when that is set."""
-
-    def wrap(test):
-        configured = settings(
-            max_examples=_EXAMPLES or default_examples,
-            deadline=None,  # a loaded 2-core machine makes per-example timings meaningless
-            derandomize=_SEED is None,
-            database=None,  # no failing examples saved to or replayed from .hypothesis/
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-            print_blob=True,
-        )(test)
-        return seed(int(_SEED))(configured) if _SEED is not None else configured
-
-    return wrap
 
 
 # ---- values -------------------------------------------------------------------------------------------------
