@@ -25,8 +25,8 @@
 #
 # The code follows the same four steps: `qmtp.decoding.step` calls `draft`, `verify`, each row's acceptance
 # strategy's `accept` (`qmtp.acceptance`: `Greedy`, `Coupled` or `Rejection`) and `roll_back`, and
-# `qmtp.speculative.decode_steps` runs one such step per trunk pass, over a batch of one row (a batch of many
-# runs the same step: `qmtp.continuous`).
+# `qmtp.continuous.ContinuousBatch` runs one such step per trunk pass over its rows: `qmtp.generate` is a batch of
+# one row, `generate_batch` and the server a batch of many.
 #
 # :::{admonition} What you will learn, what runs here
 # :class: tip

@@ -18,22 +18,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from . import acceptance, adaptive, chat, decoding
+from . import acceptance, adaptive, chat, decoding, parallel
 from .adaptive import DraftPlanner
 from .errors import UsageError
 from .model import COMPILE, Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
-from .speculative import Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
+from .prefix_cache import PrefixCache, Resume
+from .speculative import ExpertRecorder, Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
 from .text import ReplyText
 
 PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
 CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
 MIN_CHUNK, MAX_CHUNK = 1, 1024
-IDLE_CHUNK = 1024  # with no row running, nobody waits: a prompt is prefilled in big pieces
+IDLE_CHUNK = 1024  # with no row running, nobody waits: prompts are prefilled whole until this many tokens ran
 # A joining prompt rides in the rows' own pass (a row that reads the prompt's next tokens, width a step) when
 # a chunk of its own within the step's budget would read fewer than this many times the width: a pass's fixed
 # cost (dispatch, on a small model or a CPU) then dominates a chunk, and a row costs the step far less.
@@ -44,8 +46,12 @@ class Request:
     """One row's life: its prompt and settings, what it produced so far, and how it ended."""
 
     def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int],
-                 tokenizer=None, on_done=None):
+                 tokenizer=None, on_done=None, prefix_cache: PrefixCache | None = None,
+                 recorder: ExpertRecorder | None = None):
         self.prompt_tokens = list(prompt_tokens)
+        self.prefix_cache = prefix_cache  # a conversation's own cache (`generate(prefix_cache=...)`), else None
+        self.recorder = recorder  # the experts of its verify passes (`Engine(track_experts=True)`), else None
+        self._held = len(prompt_tokens)  # positions its trunk state holds
         self.settings = settings
         self.tokens: list[int] = []  # the reply's (`reply.tokens`)
         self.text = ""  # the reply's text, once it is done
@@ -114,27 +120,33 @@ class Request:
         self.stats.generated = len(self.tokens)
         if self._first_at is not None:
             self.stats.decode_seconds = time.perf_counter() - self._first_at
+        if self.recorder is not None:
+            self.stats.experts_per_pass = self.recorder.distinct()
+        if self.prefix_cache is not None and (error is not None or reason == "cancelled"):
+            self.prefix_cache.clear()  # a state cut short is not kept: the next call prefills anew
         self.done.set()
         if self.on_done is not None:
             self.on_done()
 
 
 def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy, hidden: str, key, chunk,
-                 resume: _Held | None = None, mark: int = 0, on_mark=None):
-    """A joining prompt through the trunk alone (batch 1), `chunk()` tokens at a time, yielding between chunks
-    (and the head over its positions but the last, when it drafts); from `resume`'s state when given (only the
-    tokens after the ones it holds are run). A chunk ends at `mark` when it is inside the prompt, and
-    `on_mark(state)` gets the state there (the head has read position mark - 1 with the token at mark).
-    Yields (the tokens done, the state, the trunk state at the last position done). Returns (state, the trunk state at the last position [1, 1, H], the first token, whether its logits were
-    finite)."""
-    state, at, length = _resumed(model, head, tokens, capacity, resume), 0, len(tokens)
-    at = len(resume.ids) if resume is not None else 0
-    trunk_pass, head_pass = _chunk_passes(model, head)
+                 resume: Resume | None = None, marks=(), on_mark=None):
+    """A joining prompt through the trunk alone (batch 1), yielding between chunks (and the head over its
+    positions but the last, when it drafts); from `resume`'s state when given (only the tokens after its
+    position are run). `chunk()` gives a chunk's tokens, cut to a power of two and run compiled while rows
+    decode, or None: up to the next mark in one pass, op by op (nobody waits, and a prompt needs no trace).
+    A chunk ends at each of `marks` inside the prompt, and `on_mark(at, state, h)` gets the state there (the
+    head has read position at - 1 with the token at `at`; h: the trunk's state at position at - 1 [1, 1, H]).
+    Yields (the tokens done, the state, the trunk state at the last position done). Returns (state, the trunk
+    state at the last position [1, 1, H], the first token, whether its logits were finite)."""
+    state = _resumed(model, head, tokens, capacity, resume)
+    at, length = (resume.position if resume is not None else 0), len(tokens)
+    marks = sorted(m for m in marks if at < m < length)
     while at < length:
-        end = min(length, at + chunk())
-        if at < mark < end:
-            end = mark
-        end = at + _power_of_two_at_most(end - at)
+        upto = next((m for m in marks if m > at), length)
+        size = chunk()
+        trunk_pass, head_pass = _chunk_passes(model, head, compiled=size is not None)
+        end = upto if size is None else at + _power_of_two_at_most(min(upto, at + size) - at)
         pre, post, state["layers"] = trunk_pass(state["layers"], state["offset"],
                                                 mx.array([tokens[at:end]], mx.int32))
         state["offset"] = mx.array([end], mx.int32)
@@ -146,8 +158,9 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
         at = end
         if at < length:
             mx.eval(state)
-            if at == mark and on_mark is not None:
-                on_mark({**state, "head_offset": mx.array([at], mx.int32)} if head is not None else dict(state))
+            if at in marks and on_mark is not None:
+                on_mark(at, {**state, "head_offset": mx.array([at], mx.int32)} if head is not None else dict(state),
+                        h[:, -1:])
             yield at, state, h[:, -1:]
     if head is not None:
         state["head_offset"] = mx.array([length - 1], mx.int32)
@@ -156,7 +169,7 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
         key = strategy.key_at(key, length)
     history = None
     if strategy.history:  # penalties: nothing generated yet, and the prompt's tokens (a held state's are not
-        state.update(_fresh_history(logits.shape[-1], tokens))  # this request's: `_hold` drops them)
+        state.update(_fresh_history(logits.shape[-1], tokens))  # this request's: `_held` drops them)
         history = (state["counts"], state["prompt_seen"][0])
     first, _ = strategy.pick(logits, key, history)
     finite = mx.isfinite(logits).all()
@@ -164,15 +177,30 @@ def _prefill_row(model: Model, head, tokens: list[int], capacity: int, strategy,
     return state, h[:, -1:], int(first.item()), bool(finite.item())
 
 
+def prefill(model: Model, head, tokens: list[int], capacity: int, width: int, strategy, hidden: str, key):
+    """A prompt prefilled as a batch of one, and not decoded: (state, `last` for a first step of `width` tokens,
+    the first token). For timing a step from a real state (`qmtp.book.bench`)."""
+    run = _prefill_row(model, head, tokens, capacity, strategy, hidden, key, lambda: None)
+    while True:
+        try:
+            next(run)
+        except StopIteration as done:
+            state, h, first, _ = done.value
+            break
+    last = (_pad_axis(h, 1, width), _pad_axis(mx.array([[first]], mx.int32), 1, width), mx.array([1], mx.int32))
+    return state, last, first
+
+
 def _power_of_two_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _chunk_passes(model: Model, head):
-    """The trunk over a chunk of a joining prompt, and the head over its positions, compiled once per model and
-    chunk size (chunks are cut to powers of two, so a prompt of any length needs at most a few traces). On a
-    dispatch-bound machine a chunk run op by op cost more than the rows' whole compiled step, so that the rows
-    waited more than twice as long even for the smallest chunk, and the chunks shrank to a token each."""
+def _chunk_passes(model: Model, head, compiled: bool = True):
+    """The trunk over a chunk of a joining prompt, and the head over its positions; `compiled`: traced once per
+    model and chunk size (chunks are cut to powers of two, so a prompt of any length needs at most a few
+    traces). On a dispatch-bound machine a chunk run op by op cost more than the rows' whole compiled step, so
+    that the rows waited more than twice as long even for the smallest chunk, and the chunks shrank to a token
+    each."""
     def trunk(layers, offset, tokens):
         pre, post, _, layers = decoding.trunk_step(model, tokens, {"layers": layers, "offset": offset}, record=False)
         return pre, post, layers
@@ -180,7 +208,7 @@ def _chunk_passes(model: Model, head):
     def head_over(hidden, tokens, buffers, at):
         return decoding.head_step(model, head, hidden, tokens, buffers, at)[1]
 
-    if not COMPILE:
+    if not (COMPILE and compiled):
         return trunk, head_over
     passes = model.__dict__.setdefault("_chunk_passes", {})
     key = id(head)
@@ -205,16 +233,20 @@ def _no_history(vocab: int, rows: int) -> dict:
 
 class _Held:
     """A state kept for a later prompt that continues its ids (`ContinuousBatch`'s cache): the ids its trunk
-    state holds, the state (batch 1), and either the last pass (what its head has not read yet: a finished
-    row) or None with the token its head read after the ids (a prompt's state at its last turn's start)."""
+    state holds, the state (batch 1), and either the trunk's states its head has not read (a finished row: its
+    last pass's kept positions) or None with the token its head read after the ids (a prompt's state at its
+    last turn's start)."""
 
-    def __init__(self, ids: tuple[int, ...], state: dict, last, head: bool, read_next: int | None = None):
-        self.ids, self.state, self.last, self.head, self.read_next = ids, state, last, head, read_next
+    def __init__(self, ids: tuple[int, ...], state: dict, pending, head: bool, read_next: int | None = None):
+        self.ids, self.state, self.pending, self.head, self.read_next = ids, state, pending, head, read_next
 
     def continued_by(self, prompt: list[int]) -> bool:
         ids = self.ids
         return (len(ids) < len(prompt) and tuple(prompt[:len(ids)]) == ids
                 and (self.read_next is None or prompt[len(ids)] == self.read_next))
+
+    def resume(self) -> Resume:
+        return Resume(len(self.ids), self.state, self.pending)
 
 
 def turn_start(opener: int | None, prompt_tokens: list[int]) -> int:
@@ -226,10 +258,10 @@ def turn_start(opener: int | None, prompt_tokens: list[int]) -> int:
     return len(prompt_tokens) - 1 - prompt_tokens[::-1].index(opener)
 
 
-def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held | None) -> dict:
-    """The state a prefill starts from: empty, or a held row's, grown to `capacity`, its head (when drafting)
-    having read the held row's last pass, the prompt's next token after its last position."""
-    if resume is None:
+def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: Resume | None) -> dict:
+    """The state a prefill starts from: empty, or a held one (a `Resume`) grown to `capacity`, its head (when
+    drafting) having read the trunk's states it had not, each with the prompt's token after it."""
+    if resume is None or resume.state is None:
         return decoding.empty_state(model, capacity, head=head is not None)
     state = dict(resume.state)
     if decoding.capacity_of(model, state) < capacity:
@@ -238,13 +270,11 @@ def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: _Held
         state.pop("head", None)
         state.pop("head_offset", None)
         return state
-    if resume.last is None:  # its head read the last held position with the prompt's next token (`continued_by`)
-        return state
-    hidden, after, keep = resume.last
-    keep = int(keep.item())
-    at = len(resume.ids)
-    read = mx.concatenate([after[:, :keep - 1], mx.array([[tokens[at]]], mx.int32)], axis=1)
-    _, state["head"] = decoding.head_step(model, head, hidden[:, :keep], read, state["head"], state["head_offset"])
+    at, pending = resume.position, resume.pending
+    if pending is not None and pending.shape[1]:
+        read_from = at - pending.shape[1]
+        _, state["head"] = decoding.head_step(model, head, pending, mx.array([tokens[read_from + 1:at + 1]], mx.int32),
+                                              state["head"], mx.array([read_from], mx.int32))
     state["head_offset"] = mx.array([at], mx.int32)
     return state
 
@@ -338,29 +368,52 @@ class _Joining:
         self.done, self.seconds = 0, 0.0
 
 
+@dataclass(eq=False)
+class _Pass:
+    """A step on the device: the rows it runs (in the state's order when it was queued), its width and each
+    row's drafts cap, the state and `last` it read and those it made, its report and experts (unread)."""
+
+    rows: list[Request]
+    width: int
+    caps: tuple
+    inputs: tuple  # (state, last)
+    outputs: tuple  # (state, last)
+    report: mx.array
+    experts: list
+    queued: float  # when it was queued
+
+
 class ContinuousBatch:
-    """Rows decoding together; requests join at step boundaries (`submit`, `step`, `run`).
+    """Rows decoding together; requests join at step boundaries (`submit`, `step`, `run`). `qmtp.generate` is a
+    batch of one of these.
 
     max_batch: rows decoding at once (more requests wait). cache_entries: finished rows' states kept for a
     later request whose prompt continues one of them (`qmtp.continuous` docs: a conversation's next turn),
     the least recently used evicted first. join: how a prompt joins running rows: "auto" (the cheaper way,
-    measured), "chunks" (passes of its own between the rows' steps) or "rows" (as a row of their pass)."""
+    measured), "chunks" (passes of its own between the rows' steps) or "rows" (as a row of their pass).
+    planner: what chooses the width of the "auto" rows' steps (default: a `DraftPlanner` that learns the
+    batch's step costs, per batch size, and starts from the acceptance the model's last generations counted).
+
+    The next step is queued on the device before the host reads the current one whenever that one cannot
+    change what the next must compute (no row reads a prompt, the kept tokens are not replayed, and some row
+    will not reach its max_tokens), so the machine computes while the host keeps the books; a row that
+    finishes in the current step rides along in the next one, unread, and leaves after it."""
 
     JOINS = ("auto", "chunks", "rows")
 
     def __init__(self, model: Model, max_batch: int = 8, engine: Engine = DEFAULT_ENGINE, cache_entries: int = 16,
-                 join: str = "auto"):
+                 join: str = "auto", planner: DraftPlanner | None = None):
         if not isinstance(model, Model):
             raise UsageError(f"model: give a qmtp Model, not {type(model).__name__}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"max_batch={max_batch!r:.40} must be an integer >= 1")
         if not isinstance(engine, Engine):
             raise UsageError(f"engine: give a qmtp.Engine, not {type(engine).__name__}")
-        if engine.rollback != "record":  # rows keep different counts: replaying each would be a pass of its own
-            raise UsageError("Engine(rollback='replay') replays a single generation's kept tokens: a batch rolls back "
-                             "with rollback='record' only")
+        if planner is not None and not isinstance(planner, DraftPlanner):
+            raise UsageError(f"planner: give a qmtp.adaptive.DraftPlanner (or None), not {type(planner).__name__}")
         self.model, self.max_batch, self.engine = model, max_batch, engine
         self._timer = engine.timer or _untimed
+        self._record = engine.rollback == "record"
         self.drafter = engine.drafter(model) if model.mtp is not None or engine.head is not None else None
         if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
             raise UsageError(f"cache_entries={cache_entries!r:.40} must be an integer >= 0")
@@ -372,17 +425,21 @@ class ContinuousBatch:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queue: deque[Request] = deque()
-        self._joining: list = []  # [request, prefill generator, seconds spent]
-        self._rows: list[Request] = []
+        self._joining: list[_Joining] = []
+        self._rows: list[Request] = []  # in the order of the rows of `_state`, the latest state queued
         self._state = self._last = self._keys = None
+        self._queued: _Pass | None = None  # a step queued behind the one being read
         self._capacity = 0
-        # step costs per batch size, kept with the model (as `generate`'s are): a later batch starts from them
-        self._costs: dict[int, adaptive.StepCosts] = model.__dict__.setdefault(
-            "_batch_step_costs", {}).setdefault((id(self.drafter), engine.hidden, engine.chain), {})
-        self._planner = None
+        # step costs per batch size, kept with the model: a later batch (or generation) starts from them
+        self._costs: dict[int, adaptive.StepCosts] = model.__dict__.setdefault("_step_costs", {}).setdefault(
+            (id(self.drafter), engine.hidden, engine.rollback, engine.head_cache, engine.chain), {})
+        self._planner = planner
+        self._agree = parallel.rank0_decides(model.shard)  # ranks time steps differently, and must agree on widths
+        self._read_at, self._previous = None, None  # the last read; what it read (width, width queued, rows)
         self._step_seconds = None  # the last step's time: what a prefill chunk may take
         self.chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
         self._budget = None  # prefill tokens this step may still run
+        self._idle = True  # whether this step began with no row running
         tokenizer = model.tokenizer
         self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
@@ -414,14 +471,18 @@ class ContinuousBatch:
             self._queue.extend(requests)
         self._wake.set()
 
-    def check(self, prompt_tokens, settings: Settings, on_tokens=None, on_done=None) -> Request:
-        """The request for a prompt and settings, every check done (nothing queued)."""
+    def check(self, prompt_tokens, settings: Settings, on_tokens=None, on_done=None,
+              prefix_cache: PrefixCache | None = None) -> Request:
+        """The request for a prompt and settings, every check done (nothing queued). `prefix_cache`: the
+        request starts from the state it holds and leaves its own there (`generate(prefix_cache=...)`)."""
         if not isinstance(settings, Settings):
             raise UsageError(f"settings: give a qmtp.Settings (Settings.of(...)), not {type(settings).__name__}")
         if on_tokens is not None and not callable(on_tokens):
             raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
         if on_done is not None and not callable(on_done):
             raise UsageError(f"on_done={on_done!r:.40} must be a function of no argument (or None)")
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise UsageError(f"prefix_cache: give a qmtp.PrefixCache (or None), not {type(prefix_cache).__name__}")
         if settings.n_draft != 1 and self.drafter is None:
             self.model.require_head()
         sampler = settings.check_for(self.model)
@@ -431,7 +492,8 @@ class ContinuousBatch:
         _validate(self.model, prompt_tokens, settings)
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
         return Request(prompt_tokens, settings, on_tokens, acceptance.strategy_for(sampler, self.engine.acceptance),
-                       _end_set(eos), self.model.tokenizer, on_done)
+                       _end_set(eos), self.model.tokenizer, on_done, prefix_cache,
+                       ExpertRecorder() if self.engine.track_experts else None)
 
     def run(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""
@@ -443,7 +505,7 @@ class ContinuousBatch:
         with self._lock:  # what is left at shutdown ends cancelled: nobody waits on it forever
             left, self._queue = [*self._queue, *(j.request for j in self._joining), *self._rows], deque()
         self._joining, self._rows = [], []
-        self._state = self._last = self._keys = None
+        self._state = self._last = self._keys = self._queued = None
         for request in left:
             request._finish("cancelled")
 
@@ -457,8 +519,8 @@ class ContinuousBatch:
                     self._joining.append(self._start_prefill(self._queue.popleft()))
             if self._rows and all(r._feed_at is not None for r in self._rows):
                 self._unfeed()
-            self._budget = None
-            self._budget = self._chunk()
+            self._budget, self._idle = None, not self._rows
+            self._budget = IDLE_CHUNK if self._idle else self._chunk()
             while self._joining and self._budget > 0:  # short prompts join together, a long one in chunks
                 with self._timer("prefill"):
                     self._budget -= self._prefill_chunk()
@@ -480,38 +542,43 @@ class ContinuousBatch:
             self._rows[b]._finish("cancelled")
         self._remove(gone)
 
-    def _chunk(self) -> int:
+    def _chunk(self) -> int | None:
         """Tokens of the next prefill chunk: what is left of this step's budget, about one decoding step's time
-        while rows run."""
+        while rows run; None when the step began with no row running (nobody waits: the prompt in one pass up
+        to its next mark, op by op, as no trace is needed)."""
+        if self._idle:
+            return None
         if self._budget is not None:
             return max(1, self._budget)
-        if not self._rows:
-            return IDLE_CHUNK
         tokens = None if self._step_seconds is None else self.chunk_costs.tokens_within(CHUNK_SHARE * self._step_seconds)
         return PREFILL_CHUNK if tokens is None else max(MIN_CHUNK, min(MAX_CHUNK, tokens))
 
-    def _start_prefill(self, request: Request) -> list:
+    def _start_prefill(self, request: Request) -> _Joining:
         settings = request.settings
         # the prompt and a step's room: the buffers grow as the row decodes (`_fit`), not to max_tokens up front
         capacity = decoding.capacity_for(len(request.prompt_tokens) + 2 * MAX_N_DRAFT)
         head = self.drafter if request.drafts else None
         key = mx.random.key(settings.seed)
-        resume = self._lookup(request)
-        if resume is not None:
-            request.cached_tokens = len(resume.ids)
-            request.stats.prefilled_tokens -= len(resume.ids)
-        prompt = request.prompt_tokens
-        mark = turn_start(self._opener, prompt)
-        if resume is not None and mark <= len(resume.ids):
-            mark = 0
+        prompt, cache = request.prompt_tokens, request.prefix_cache
+        if cache is not None:  # a conversation's own cache: its marks (turn starts) snapshotted as it goes
+            resume = cache.resume(self.model, head, self.engine.hidden, prompt)
+            marks, mark = cache.take_marks(), 0
 
-        def hold_turn_start(state: dict) -> None:
-            ids = tuple(prompt[:mark])
-            self._put(_Held(ids, state, None, request.drafts, read_next=prompt[mark]))
-
+            def on_mark(at: int, state: dict, h: mx.array) -> None:
+                cache.snapshot(self.model, at, state["layers"], h if head is not None else None)
+        else:
+            held = self._lookup(request)
+            resume = held.resume() if held is not None else None
+            mark = turn_start(self._opener, prompt) if self.cache_entries else 0
+            if held is not None and mark <= len(held.ids):
+                mark = 0
+            marks, on_mark = (mark,), self._turn_holder(request, mark) if mark else None
+        if resume is not None and resume.position:
+            request.cached_tokens = resume.position
+            request.stats.prefilled_tokens -= resume.position
         prefill = _prefill_row(self.model, head, prompt, capacity, request.strategy, self.engine.hidden, key,
-                               self._chunk, resume, mark, hold_turn_start if mark and self.cache_entries else None)
-        return _Joining(request, prefill, key, mark if self.cache_entries else 0)
+                               self._chunk, resume, marks, on_mark)
+        return _Joining(request, prefill, key, mark)
 
     def _prefill_chunk(self) -> int:
         """One chunk of the first joining prompt (at most the step's budget of tokens); a prompt done joins the
@@ -519,6 +586,7 @@ class ContinuousBatch:
         joining = self._joining[0]
         request = joining.request
         started = time.perf_counter()
+        self._previous = None  # the interval to the next read holds this chunk: no step's cost
         try:
             (done, partial, h_partial), result = next(joining.prefill), None
         except StopIteration as finished:
@@ -543,13 +611,20 @@ class ContinuousBatch:
         request.stats.prefill_seconds = joining.seconds
         self.counters["prefilled_tokens"] += len(request.prompt_tokens)
         state, h_last, first, finite = result
+        prompt = request.prompt_tokens
         if not finite:
-            request._finish("error", _nonfinite(self.model, len(request.prompt_tokens) - 1,
-                                                request.prompt_tokens[-1], "for the prompt "))
+            request._finish("error", _nonfinite(self.model, len(prompt) - 1, prompt[-1], "for the prompt "))
             return ran
+        if request.prefix_cache is not None:
+            request.prefix_cache.snapshot(self.model, len(prompt), state["layers"],
+                                          h_last if request.drafts else None)
         finished = request._take(self.model, [first])
         self.counters["generated"] += 1
         if finished:
+            if request.prefix_cache is not None:
+                last = (h_last, mx.array([[first]], mx.int32), mx.array([1], mx.int32))
+                request.prefix_cache.hold(state, last, request._decoded, len(prompt))
+                request.prefix_cache.settle(prompt)
             request._finish()
         else:
             by_position = getattr(request.strategy, "by_position", False)  # then the seed's key, never split
@@ -564,9 +639,9 @@ class ContinuousBatch:
         would read fewer than FEED_OVER_CHUNK times the width. On this project's CPU a one-token chunk costs
         about 0.8 of four rows' whole step (its fixed cost), a fifth row about 0.1 of it. A penalised prompt
         goes on in chunks: its history starts at its first generated token, which a row's step would not
-        know."""
-        if (self.join == "chunks" or request.strategy.history or self._step_seconds is None
-                or not any(r._feed_at is None for r in self._rows)):
+        know; so does one with a conversation's cache (its snapshots are taken by its prefill)."""
+        if (self.join == "chunks" or request.strategy.history or request.prefix_cache is not None
+                or self._step_seconds is None or not any(r._feed_at is None for r in self._rows)):
             return False
         if self.join == "rows":
             return True
@@ -612,7 +687,7 @@ class ContinuousBatch:
                 "next": mx.array(following, mx.int32), "first_key": mx.stack(first_keys),
                 "after_key": mx.stack(after_keys)}
 
-    def _fed(self, b: int, request: Request, row: decoding.RowReport) -> bool:
+    def _fed(self, done: _Pass, b: int, request: Request, row: decoding.RowReport) -> bool:
         """A prompt's row's share of a step: its position moves on; at its last piece, its first token (whether
         the row is done)."""
         keep, finite, first = row.keep, row.finite, row.next_token
@@ -620,7 +695,7 @@ class ContinuousBatch:
         if at < len(prompt):
             request._feed_at = at
             if at == request._mark:
-                self._hold(b, tuple(prompt[:at]))
+                self._hold(done, b, tuple(prompt[:at]))
             return False
         request._feed_at = None
         request.stats.prefill_seconds = time.perf_counter() - request._prefill_started
@@ -635,15 +710,18 @@ class ContinuousBatch:
         return False
 
     def _unfeed(self) -> None:
-        """No row decodes any more: the prompts' rows go back to chunks of their own (nobody waits on them)."""
+        """No row decodes any more: the prompts' rows go back to chunks of their own (nobody waits on them). No
+        step is queued: a step with a prompt's row is read before the next is queued."""
         joinings = []
+        latest = _Pass(list(self._rows), 0, (), (None, None), (self._state, self._last), None, [], 0.0)
         for b, request in enumerate(self._rows):
             at = request._feed_at
-            held = self._held(b, tuple(request.prompt_tokens[:at]))
+            held = self._held(latest, b, tuple(request.prompt_tokens[:at]))
             capacity = decoding.capacity_for(len(request.prompt_tokens) + 2 * MAX_N_DRAFT)
             prefill = _prefill_row(self.model, self.drafter if request.drafts else None, request.prompt_tokens,
                                    capacity, request.strategy, self.engine.hidden, request._seed_key, self._chunk,
-                                   held, request._mark, self._turn_holder(request) if request._mark else None)
+                                   held.resume(), (request._mark,),
+                                   self._turn_holder(request, request._mark) if request._mark else None)
             joining = _Joining(request, prefill, request._seed_key, request._mark)
             joining.done, joining.seconds = at, time.perf_counter() - request._prefill_started
             request._feed_at = None
@@ -651,10 +729,11 @@ class ContinuousBatch:
         self._remove(list(range(len(self._rows))))
         self._joining[:0] = joinings
 
-    def _turn_holder(self, request: Request):
-        prompt, mark = request.prompt_tokens, request._mark
+    def _turn_holder(self, request: Request, mark: int):
+        """What keeps a prompt's state at its last turn's start, `mark` (the head read mark - 1 with its token)."""
+        prompt = request.prompt_tokens
 
-        def hold_turn_start(state: dict) -> None:
+        def hold_turn_start(at: int, state: dict, h: mx.array) -> None:
             self._put(_Held(tuple(prompt[:mark]), state, None, request.drafts, read_next=prompt[mark]))
         return hold_turn_start
 
@@ -699,8 +778,10 @@ class ContinuousBatch:
             return
         kept = [b for b in range(len(self._rows)) if b not in rows]
         self._rows = [self._rows[b] for b in kept]
+        if self._queued is not None and all(r.done.is_set() for r in self._queued.rows):
+            self._queued = None  # nobody reads it
         if not kept:
-            self._state = self._last = self._keys = None
+            self._state = self._last = self._keys = self._queued = None
             self._capacity = 0
             return
         index = mx.array(kept, mx.int32)
@@ -712,92 +793,182 @@ class ContinuousBatch:
 
     # ---- decoding -----------------------------------------------------------------------------------------
     def _width(self) -> int:
-        """This step's width: the widest fixed n_draft among the rows, or the planner's choice with an "auto"
-        row (at least that widest)."""
+        """The next step's width: the widest fixed n_draft among the rows, or the planner's choice with an
+        "auto" row (at least that widest)."""
         decoding_rows = [r for r in self._rows if r._feed_at is None]  # a prompt's row reads what the step gives
         fixed = max((r.settings.n_draft for r in decoding_rows if r.settings.n_draft != "auto"), default=1)
-        if not any(r.settings.n_draft == "auto" for r in decoding_rows) or "head" not in self._state:
-            return fixed if "head" in self._state else 1
-        if self._planner is None:
-            self._planner = DraftPlanner(learned=adaptive.StepCosts())
-        self._planner.learned = self._costs.setdefault(len(self._rows), adaptive.StepCosts())
+        if "head" not in self._state:
+            return 1
+        auto = next((r for r in decoding_rows if r.settings.n_draft == "auto"), None)
+        if auto is None:
+            return fixed
+        if self._planner is None:  # from the acceptance the last generations with this drafter counted
+            proposed, accepted = self.model.__dict__.setdefault("_draft_counts", {}).get(
+                (id(self.drafter), auto.strategy.key), ([], []))
+            self._planner = DraftPlanner(learned=adaptive.StepCosts(), proposed=proposed, accepted=accepted)
+        if self._planner.learned is not None:
+            self._planner.learned = self._costs.setdefault(len(self._rows), adaptive.StepCosts())
         return max(fixed, self._planner.choose())
 
     def _compiled(self, k: int, strategies: tuple, caps: tuple, follows: bool, feeding: tuple = ()):
         engine = self.engine
-        return decoding.compiled_step(self.model, self.drafter, k, strategies, caps, engine.hidden, True,
+        return decoding.compiled_step(self.model, self.drafter, k, strategies, caps, engine.hidden, self._record,
                                       (engine.head_cache, engine.chain), follows, feeding, compiled=engine.compiled)
 
-    def _fit(self, width: int) -> None:
-        """KV buffers long enough for this step's `width` tokens on every row, grown to the next power of two
-        when they are not. Attention reads its whole buffer every step, so buffers sized for max_tokens up front
-        cost every step from the first: a request that leaves max_tokens out asks for the rest of the context
-        (262,144 positions for Qwen3.6-35B-A3B: GBs a row, read at every token). Growing by doubling retraces
-        the compiled step a few times over a long generation."""
-        needed = max(len(r.prompt_tokens) + len(r._decoded) if r._feed_at is None else r._feed_at
-                     for r in self._rows) + width + 1
+    def _fit(self, width: int, behind: _Pass | None) -> None:
+        """KV buffers long enough for this step's `width` tokens on every row (after the unread step `behind`),
+        grown to the next power of two when they are not. Attention reads its whole buffer every step, so
+        buffers sized for max_tokens up front cost every step from the first: a request that leaves max_tokens
+        out asks for the rest of the context (262,144 positions for Qwen3.6-35B-A3B: GBs a row, read at every
+        token). Growing by doubling retraces the compiled step a few times over a long generation."""
+        unread = {id(r) for r in behind.rows} if behind is not None else set()
+        ahead = behind.width if behind is not None else 0
+        needed = max((len(r.prompt_tokens) + len(r._decoded) + (ahead if id(r) in unread else 0))
+                     if r._feed_at is None else r._feed_at for r in self._rows) + width + 1
         if needed > self._capacity:
             self._capacity = decoding.capacity_for(needed)
             self._state = decoding.grow_state(self.model, self._state, self._capacity)
 
-    def _decode_step(self) -> None:
+    def _queue_step(self, behind: _Pass | None = None) -> _Pass:
+        """Queue the next step for every row on the device (`mx.async_eval`): from the latest state, which is
+        `behind`'s outputs when that step is not read yet."""
         width = self._width()
-        self._fit(width)
-        k = width - 1
-        feeding = tuple(r._feed_at is not None for r in self._rows)
-        caps = tuple(0 if fed else r.cap(width) for r, fed in zip(self._rows, feeding))
-        follows = k == 0 and "head" in self._state
-        step = self._compiled(k, tuple(r.strategy for r in self._rows), caps, follows, feeding)
+        self._fit(width, behind)
+        k, rows = width - 1, list(self._rows)
+        feeding = tuple(r._feed_at is not None for r in rows)
+        caps = tuple(0 if fed else r.cap(width) for r, fed in zip(rows, feeding))
+        # a plain step's head reads the pass, so that drafting can resume, unless the planner gave drafting up
+        follows = k == 0 and "head" in self._state and not (self._planner is not None and self._planner.plain)
+        step = self._compiled(k, tuple(r.strategy for r in rows), caps, follows, feeding)
         feed = (self._feed(width),) if any(feeding) else ()
-        started = time.perf_counter()
+        inputs = (self._state, self._last)
+        with self._timer("build"):
+            self._state, self._last, report, experts, self._keys = step(self._state, self._last, self._keys, *feed)
+            mx.async_eval(report)
+        if "head" in inputs[0] and "head" not in self._state:  # a plain step whose head no longer follows: its
+            self._state = {**self._state, "head": inputs[0]["head"],  # buffers stay, behind the trunk
+                           "head_offset": inputs[0]["head_offset"]}
+        return _Pass(rows, width, caps, inputs, (self._state, self._last), report, experts, time.perf_counter())
+
+    def _queues_behind(self, current: _Pass) -> bool:
+        """Whether the next step can be queued before `current` is read: no row reads a prompt (its next piece
+        depends on what this one read), its kept tokens need no replay, and some row goes on past it."""
+        return (self.engine.queue_ahead and (self._record or current.width == 1)
+                and all(r._feed_at is None for r in self._rows)
+                and any(len(r._decoded) + current.width < r.settings.max_tokens for r in current.rows
+                        if not r.done.is_set()))
+
+    def _decode_step(self) -> None:
         try:
-            with self._timer("step"):
-                self._state, self._last, report, _, self._keys = step(self._state, self._last, self._keys, *feed)
-                report = decoding.read_report(report, width)
+            current = self._queued if self._queued is not None else self._queue_step()
+            self._queued = None
+            if self._queues_behind(current):
+                self._queued = self._queue_step(behind=current)
+            with self._timer("sync"):
+                report = decoding.read_report(current.report, current.width)
         except Exception as error:  # a step is shared: the rows in it fail, the engine goes on with new ones
             for request in self._rows:
                 request._finish("error", error)
             self._remove(list(range(len(self._rows))))
             return
-        seconds = time.perf_counter() - started
         with self._timer("host"):
-            self._book(report, width, caps, seconds)
+            self._book(current, report)
 
-    def _book(self, report: list[decoding.RowReport], width: int, caps: tuple, seconds: float) -> None:
+    def _observe(self, done: _Pass) -> None:
+        """The step just read: its cost for the planner (per batch size) and for the prefill chunks' budget.
+
+        A step's cost is the interval since the last read, when the step read then had the same width, the
+        same rows and the same step queued behind it (or none, both times), with no prefill chunk between: a
+        step queued before the read runs partly inside the interval, so beside a change it would time a
+        neighbour."""
+        now = time.perf_counter()
+        this = (done.width, self._queued.width if self._queued is not None else None, len(done.rows))
+        if self._read_at is not None:
+            self._step_seconds = now - max(done.queued, self._read_at)
+        if this == self._previous and self._planner is not None and self._planner.learned is not None:
+            seconds = now - self._read_at
+            if self._agree is not None:
+                seconds = self._agree(seconds)
+            self._costs.setdefault(len(done.rows), adaptive.StepCosts()).observe(done.width, seconds)
+        self._read_at, self._previous = now, this
+
+    def _book(self, done: _Pass, report: list[decoding.RowReport]) -> None:
         """The host's share of a step: counters, the planner, every row's tokens; finished rows leave."""
-        self._step_seconds = seconds
-        rows = len(self._rows)
-        if self._planner is not None and any(r.settings.n_draft == "auto" for r in self._rows):
-            self._planner.observe_cost(width, seconds)
+        if self._step_seconds is None:
+            self._step_seconds = time.perf_counter() - done.queued
+        self._observe(done)
+        if not self._record and done.width > 1:
+            self._replay(done, report)
+        rows = len(done.rows)
         self.counters["steps"] += 1
-        self.counters["prompt_rows_stepped"] += sum(r._feed_at is not None for r in self._rows)
+        self.counters["prompt_rows_stepped"] += sum(r._feed_at is not None for r in done.rows)
         self.counters["rows_stepped"] += rows
         self.counters["max_rows_in_a_step"] = max(self.counters["max_rows_in_a_step"], rows)
-        finished = [b for b, (request, row) in enumerate(zip(self._rows, report))
-                    if (self._fed(b, request, row) if request._feed_at is not None
-                        else self._advance(request, row, caps[b]))]
-        for b in finished:
-            if self._rows[b].error is None:
-                self._hold(b)
-        self._remove(finished)
+        for b, (request, row) in enumerate(zip(done.rows, report)):
+            if request.done.is_set():  # it left while this step ran (finished the step before, or cancelled)
+                continue
+            fed = request._feed_at is not None
+            if not (self._fed(done, b, request, row) if fed else self._advance(done, b, request, row)):
+                continue
+            if request.error is None:
+                if request.prefix_cache is not None:
+                    self._settle(done, b, request, row.keep)
+                self._hold(done, b)
+            if request.settings.n_draft == "auto" and self._planner is not None:
+                self.model.__dict__.setdefault("_draft_counts", {})[(id(self.drafter), request.strategy.key)] = (
+                    list(self._planner.proposed), list(self._planner.accepted))
+        self._remove([b for b, r in enumerate(self._rows) if r.done.is_set()])
 
-    # ---- the prefix cache ---------------------------------------------------------------------------------
-    def _hold(self, b: int, ids: tuple[int, ...] | None = None) -> None:
-        """Keep row b's state (it just finished, or a prompt's row reached `ids`) for a later prompt that
+    def _replay(self, done: _Pass, report: list[decoding.RowReport]) -> None:
+        """Engine(rollback="replay"): the step left each row's layers past its whole pass; a row that kept fewer
+        tokens runs its kept ones again from where the step started, alone (batch 1: no padding enters its
+        linear-attention state)."""
+        (before, _), (state, last) = done.inputs, done.outputs
+        hidden, rows = last[0], len(done.rows)
+        layers = state["layers"]
+        with self._timer("replay"):
+            for b, row in enumerate(report):
+                if row.keep == done.width or done.rows[b]._feed_at is not None:
+                    continue
+                index = mx.array([b], mx.int32)
+                pre, post, _, replayed = decoding.trunk_step(
+                    self.model, mx.array([row.tokens[:row.keep]], mx.int32), _rows_of(before, index), record=False)
+                h = _pad_axis(post if self.engine.hidden == "post" else pre, 1, done.width)
+                layers = _put_row(layers, b, replayed, rows)
+                hidden = _put_row(hidden, b, h, rows)
+        state, last = {**state, "layers": layers}, (hidden, last[1], last[2])
+        done.outputs = (state, last)
+        self._state, self._last = state, last
+
+    # ---- the prefix caches --------------------------------------------------------------------------------
+    def _settle(self, done: _Pass, b: int, request: Request, keep: int) -> None:
+        """A finished row's state into its conversation's cache (`PrefixCache.settle`), with where its last step
+        started."""
+        index = mx.array([b], mx.int32)
+        (before, last_before), (state, last) = done.inputs, done.outputs
+        cache = request.prefix_cache
+        cache.hold(_rows_of(state, index), _rows_of(last, index), request._decoded, request._held,
+                   (request._held - keep, _rows_of(before["layers"], index), _rows_of(last_before, index)))
+        cache.settle(request.prompt_tokens)
+
+    def _hold(self, done: _Pass, b: int, ids: tuple[int, ...] | None = None) -> None:
+        """Keep row b of step `done` (it just finished, or a prompt's row reached `ids`) for a later prompt that
         continues its ids; the least recently used entry goes when more than `cache_entries` are held."""
         if self.cache_entries < 1:
             return
-        self._put(self._held(b, ids))
+        self._put(self._held(done, b, ids))
 
-    def _held(self, b: int, ids: tuple[int, ...] | None = None) -> _Held:
-        """Row b's state as a held one: its ids (by default its prompt and tokens but the last), batch 1."""
-        request = self._rows[b]
+    def _held(self, done: _Pass, b: int, ids: tuple[int, ...] | None = None) -> _Held:
+        """Row b of the state `done` made as a held one: its ids (by default its prompt and tokens but the
+        last), batch 1, and the kept positions of its last pass, which its head has not read."""
+        request = done.rows[b]
         index = mx.array([b], mx.int32)
-        state = _rows_of(self._state, index)
+        state, last = (_rows_of(x, index) for x in done.outputs)
         state.pop("counts", None), state.pop("prompt_seen", None)  # this request's generation: not the next one's
         if ids is None:
             ids = tuple(request.prompt_tokens + request._decoded[:-1])
-        return _Held(ids, state, _rows_of(self._last, index), request.drafts)
+        pending = last[0][:, :int(last[2].item())] if request.drafts and "head" in state else None
+        return _Held(ids, state, pending, request.drafts)
 
     def _put(self, held: _Held) -> None:
         self._cache[held.ids] = held
@@ -816,9 +987,9 @@ class ContinuousBatch:
             self._cache.move_to_end(best.ids)
         return best
 
-    def _advance(self, request: Request, row: decoding.RowReport, cap: int) -> bool:
+    def _advance(self, done: _Pass, b: int, request: Request, row: decoding.RowReport) -> bool:
         """A row's share of a step's report: its tokens and statistics; whether it is done."""
-        tokens, keep, finite = row.tokens, row.keep, row.finite
+        tokens, keep, finite, cap = row.tokens, row.keep, row.finite, done.caps[b]
         if finite < keep:  # a kept token was chosen from NaN or Inf logits: this row ends, the others go on
             position = len(request.prompt_tokens) + len(request.tokens) - 1 + finite
             request._finish("error", _nonfinite(self.model, position, tokens[finite], drafts=tokens[1:1 + cap]))
@@ -832,6 +1003,9 @@ class ContinuousBatch:
             stats.accepted[i] += 1
         if self._planner is not None and cap and request.settings.n_draft == "auto":
             self._planner.observe(cap, keep - 1)
+        if request.recorder is not None:
+            request.recorder.record(done.experts, b)
+        request._held += keep
         emitted = row.emitted
         stats.steps.append(Step(drafts, keep - 1, emitted, proposed.count(0)))
         self.counters["generated"] += len(emitted)
@@ -839,3 +1013,10 @@ class ContinuousBatch:
             request._finish()
             return True
         return False
+
+
+def _put_row(tree, b: int, row, rows: int):
+    """`tree` (a batch's arrays) with row b replaced by `row`'s (batch 1)."""
+    if rows == 1:
+        return row
+    return _map2(lambda a, r: mx.concatenate([a[:b], r, a[b + 1:]], axis=0), tree, row)

@@ -28,17 +28,14 @@ from collections.abc import Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import numpy as np
 
 from .errors import NonFiniteLogitsError, UsageError
-from . import acceptance, adaptive, chat, decoding, parallel
-from .adaptive import DraftPlanner
+from . import chat
 from .model import Model, release_at_thread_exit
-from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings, checked_arguments
-from .prefix_cache import PrefixCache, Resume
+from .options import DEFAULT_ENGINE, Engine, Settings, checked_arguments
+from .prefix_cache import PrefixCache
 from .sampling import Sampling
-from .text import ReplyText
 
 
 @dataclass
@@ -169,17 +166,19 @@ def _validate(model: Model, prompt_tokens: list[int], settings: Settings) -> Non
 
 
 class ExpertRecorder:
-    """Keeps the experts every trunk layer chose in each verify pass, on the device, and counts the distinct
-    ones per pass and layer once the generation is over (so tracking adds no host sync to the passes)."""
+    """Keeps the experts every trunk layer chose for one row in each verify pass, on the device, and counts the
+    distinct ones per pass and layer once the generation is over (so tracking adds no host sync to the passes)."""
 
     def __init__(self):
-        self.passes: list[list] = []
+        self.passes: list[tuple[list, int]] = []
 
-    def record(self, experts: list) -> None:
-        self.passes.append(experts)
+    def record(self, experts: list, row: int = 0) -> None:
+        """A pass's experts per layer ([B, tokens, top_k] each, None for a layer without experts) and this row's b."""
+        self.passes.append((experts, row))
 
     def distinct(self) -> list[list[int]]:
-        return [[int(np.unique(np.array(e)).size) if e is not None else 0 for e in layers] for layers in self.passes]
+        return [[int(np.unique(np.array(e[row])).size) if e is not None else 0 for e in layers]
+                for layers, row in self.passes]
 
 
 class PhaseTimer:
@@ -333,84 +332,22 @@ def decode(model: Model, prompt_tokens: list[int], settings: Settings, engine: E
         raise UsageError(f"on_tokens={on_tokens!r:.40} must be a function of a list of token ids (or None)")
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise UsageError(f"prefix_cache: give a qmtp.PrefixCache (or None), not {type(prefix_cache).__name__}")
-    sampler = settings.check_for(model)
-    _validate(model, prompt_tokens, settings)
-    drafter, widest = engine.drafter(model), settings.widest
-    eos = chat.end_ids(model) if settings.stop_at_eos else frozenset()
-    stats = Stats(n_draft=settings.n_draft, prompt_tokens=len(prompt_tokens), drafted=[0] * (widest - 1),
-                  accepted=[0] * (widest - 1))
-    recorder = ExpertRecorder() if engine.track_experts else None
-    strategy = acceptance.strategy_for(sampler, engine.acceptance)
-    n_draft, learned = settings.n_draft, None
-    if n_draft == "auto":
-        n_draft, learned = _planner(model, drafter, strategy, engine)
-    resume = prefix_cache.resume(model, drafter if widest > 1 else None, engine.hidden, prompt_tokens) \
-        if prefix_cache is not None else None
-    stats.prefilled_tokens = len(prompt_tokens) - (resume.position if resume is not None else 0)
-    steps = decode_steps(model, prompt_tokens, n_draft, strategy, drafter, engine.hidden, engine.rollback,
-                         settings.max_tokens, eos, settings.seed, engine.timer or _untimed, engine.compiled,
-                         engine.queue_ahead, drafting=(engine.head_cache, engine.chain), resume=resume,
-                         cache=prefix_cache)
+    from .continuous import ContinuousBatch  # the engine: a generation is a batch of one
+
+    batch = ContinuousBatch(model, max_batch=1, engine=engine, cache_entries=0)
+    request = batch.check(prompt_tokens, settings, on_tokens, prefix_cache=prefix_cache)
+    request.submitted = called
+    batch.enqueue([request])
     try:
-        generation = _collect(model, steps, prompt_tokens, settings.max_tokens, eos, settings.stop, on_tokens, stats,
-                              recorder, called)
+        while batch.step():
+            pass
     except BaseException:  # a state cut short (an error, Ctrl-C) is not kept: the next call prefills anew
         if prefix_cache is not None:
             prefix_cache.clear()
         raise
-    if learned is not None:
-        learned[(id(drafter), strategy.key)] = (n_draft.proposed, n_draft.accepted)
-    if prefix_cache is not None:
-        prefix_cache.settle(prompt_tokens)
-    return generation
-
-
-def _planner(model: Model, drafter, strategy, engine: Engine):
-    """For n_draft="auto": a planner that starts from the acceptance counted and the step costs timed by the
-    last generations with this drafter and these settings (nothing is timed before the first token), and where
-    its counts go back when the generation ends."""
-    carried = model.__dict__.setdefault("_draft_counts", {})
-    proposed, accepted = carried.get((id(drafter), strategy.key), ([], []))
-    costs = model.__dict__.setdefault("_step_costs", {}).setdefault(
-        (id(drafter), strategy.key, engine.hidden, engine.rollback, engine.head_cache, engine.chain),
-        adaptive.StepCosts())
-    return DraftPlanner(learned=costs, proposed=proposed, accepted=accepted), carried
-
-
-def _collect(model: Model, steps, prompt_tokens: list[int], max_tokens: int, eos, stops, on_tokens, stats: Stats,
-             recorder, called: float) -> Generation:
-    """The generation from `decode_steps`' steps: its tokens (cut at an end id, a stop string or `max_tokens`: the
-    reply's `qmtp.text.ReplyText`), streamed to `on_tokens` as they come, and its statistics."""
-    reply = ReplyText(model.tokenizer, _end_set(eos), stops, max_tokens)
-    started = time.perf_counter()
-
-    def take(emitted: list[int]) -> None:
-        kept = reply.take(emitted)
-        if on_tokens is not None and kept:
-            on_tokens(kept)
-
-    take(next(steps).emitted)  # the prefill's token
-    stats.prefill_seconds = time.perf_counter() - started
-    stats.first_token_seconds = time.perf_counter() - called
-    started = time.perf_counter()
-    for step, experts in ([] if reply.done else steps):
-        for i in range(min(step.accepted + 1, len(step.drafts))):
-            stats.drafted[i] += 1
-        for i in range(step.accepted):
-            stats.accepted[i] += 1
-        stats.steps.append(step)
-        if recorder is not None:
-            recorder.record(experts)
-        take(step.emitted)
-        if reply.done:
-            break
-    stats.decode_seconds = time.perf_counter() - started
-
-    if recorder is not None:
-        stats.experts_per_pass = recorder.distinct()
-    stats.generated = len(reply.tokens)
-    return Generation(text=reply.text, tokens=list(reply.tokens), prompt_tokens=prompt_tokens, stats=stats,
-                      finish_reason=reply.finish_reason or "length")
+    if request.error is not None:
+        raise request.error
+    return request.generation()
 
 
 def _end_set(eos) -> frozenset[int]:
@@ -418,154 +355,6 @@ def _end_set(eos) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(eos) if isinstance(eos, (set, frozenset, list, tuple)) else frozenset((int(eos),))
-
-
-def decode_steps(model: Model, prompt_tokens: list[int], n_draft, strategy, head, hidden: str, rollback: str,
-                 max_tokens: int, eos, seed: int, timer=_untimed, compiled: bool = True, queue_ahead: bool = True,
-                 drafting=("keep", "post"), resume: Resume | None = None, cache: PrefixCache | None = None):
-    """Prefill, then one trunk pass per item: yields first the prefill's Step, then (Step, experts per layer)
-    for each pass, until `max_tokens` tokens or an end id (`eos`: None, one id or a set of them) are out.
-    `n_draft`: a width, or a `DraftPlanner` that chooses each step's.
-
-    `resume`: the state holding the prompt's first tokens (`PrefixCache.resume`), so that only the rest is
-    prefilled; `cache` is handed the state after each step (`PrefixCache.hold`).
-
-    The next pass is queued (`mx.async_eval`) before the host reads the current one, whenever the current
-    one cannot end the generation, so the machine computes while the host keeps the books: one host sync
-    per pass (a planner therefore chooses each width knowing the steps up to the one before). With
-    rollback="replay" the host must know what was kept before it can build the next pass."""
-    planner = n_draft if isinstance(n_draft, DraftPlanner) else None
-    eos = _end_set(eos)
-    widest = max(planner.widths) if planner else n_draft
-    record = rollback == "record" and widest > 1
-    capacity = decoding.capacity_for(len(prompt_tokens) + max_tokens + 2 * widest)
-    key = mx.random.key(seed)
-    width = planner.choose() if planner else n_draft
-    state, last, first = _prefill(model, head if widest > 1 else None, prompt_tokens, capacity, width, strategy,
-                                  hidden, key, resume, cache)
-    tokens_out, held = [first], len(prompt_tokens)  # what was produced; the positions the state holds
-    if cache is not None:
-        cache.hold(state, last, tokens_out, held)
-    yield Step([], 0, [first])
-    produced = 1
-    if produced >= max_tokens or first in eos:
-        return
-    if not strategy.by_position:  # the prefill's draw used `key`: the steps' keys are split off it
-        key = mx.random.split(key)[1]
-    keys = key[None]  # a batch of one row
-
-    def queue(state, last, keys):
-        n = planner.choose() if planner else n_draft
-        # a planner's plain step keeps the head's cache whole unless it gave up drafting for good
-        follows = planner is not None and n == 1 and not planner.plain
-        with timer("build"):
-            step = decoding.compiled_step(model, head, n - 1, (strategy,), (n - 1,), hidden, record, drafting,
-                                          follows, compiled=compiled)(state, last, keys)
-            mx.async_eval(step[2])
-        return n, step
-
-    agree = parallel.rank0_decides(model.shard) if planner else None
-    queued = queue(state, last, keys)
-    read_at, previous = None, None  # when the last step's tokens were read; its (width, next step's width)
-    while True:
-        before, last_before, held_before = state, last, held
-        n, (state, last, report, experts, keys) = queued
-        queued = None
-        if queue_ahead and (record or n == 1) and produced + n < max_tokens:
-            queued = queue(state, last, keys)  # this pass cannot end the generation
-        with timer("sync"):
-            row = decoding.read_report(report, n)[0]
-        if planner:
-            # One step's cost: the interval since the last read, when the step read then had this width and
-            # the same one queued behind it (or none, both times). A step queued before the read runs partly
-            # inside the interval, so beside a change of width (or of queueing) it would time a neighbour.
-            now, this = time.perf_counter(), (n, queued[0] if queued else None)
-            if this == previous:
-                seconds = now - read_at
-                if agree is not None:  # ranks time steps differently, and must choose the same widths
-                    seconds = agree(seconds)
-                planner.observe_cost(n, seconds)
-            read_at, previous = now, this
-        tokens, keep = row.tokens, row.keep
-        if row.finite < keep:  # a kept token was chosen from NaN or Inf logits
-            raise _nonfinite(model, len(prompt_tokens) + produced - 1 + row.finite, tokens[row.finite],
-                             drafts=tokens[1:])
-        proposed = row.draft_finite[: min(keep, n - 1)]  # as `Stats.drafted` counts: up to the first rejected
-        if not record and keep < n:
-            with timer("replay"):
-                state, last = _replay(model, before, state, last, tokens[:keep], n, hidden)
-        if planner:
-            planner.observe(n - 1, row.accepted)
-        emitted = row.emitted
-        tokens_out += emitted
-        held += keep
-        if cache is not None:  # with where this step started: a later prompt may part from it within the step
-            cache.hold(state, last, tokens_out, held, (held_before, before["layers"], last_before))
-        yield Step(tokens[1:], row.accepted, emitted, proposed.count(0)), experts
-        produced += len(emitted)
-        if produced >= max_tokens or any(t in eos for t in emitted):
-            return
-        if queued is None:
-            queued = queue(state, last, keys)
-
-
-def _prefill(model: Model, head, prompt_tokens: list[int], capacity: int, n_draft: int, strategy, hidden: str, key,
-             resume: Resume | None = None, cache: PrefixCache | None = None):
-    """The prompt through the trunk (and, when drafting, the head over its positions but the last): the
-    state, what the first step needs, and the first token.
-
-    With `resume`, its first `resume.position` tokens are in `resume.state` already: only the rest is run
-    (and the head first reads the positions before it that it has not read). With `cache`, the prompt is
-    run in pieces cut at the cache's marks, and the linear-attention state is snapshotted after each."""
-    start = resume.position if resume is not None else 0
-    if resume is not None and resume.state is not None:
-        state = resume.state
-        current = decoding.capacity_of(model, state)
-        if current is not None and current < capacity:  # a longer conversation than the buffers were made for
-            state = decoding.grow_state(model, state, capacity)
-    else:
-        state = decoding.empty_state(model, capacity, head=head is not None)
-    ends = sorted(p for p in (cache.take_marks() if cache is not None else ()) if start < p < len(prompt_tokens))
-    hs, at = [], start
-    for end in ends + [len(prompt_tokens)]:
-        piece = mx.array([prompt_tokens[at:end]], mx.int32)
-        pre, post, _, state["layers"] = decoding.trunk_step(model, piece, state, record=False)
-        state["offset"] = mx.array([end], mx.int32)
-        hs.append(post if hidden == "post" else pre)
-        if cache is not None:
-            cache.snapshot(model, end, state["layers"], hs[-1][:, -1:] if head is not None else None)
-        at = end
-    # lm_head on the last position only: the prompt's other scores are never used
-    logits = model.logits(post[:, -1:])[0].astype(mx.float32)
-    history = None
-    if strategy.history:  # penalties: what was generated (nothing yet) and the prompt's tokens
-        vocab = logits.shape[-1]
-        state["counts"] = mx.zeros((1, vocab), mx.float32)
-        seen = np.zeros((1, vocab), np.bool_)
-        seen[0, prompt_tokens] = True
-        state["prompt_seen"] = mx.array(seen)
-        history = (state["counts"], state["prompt_seen"][0])
-    first, _ = strategy.pick(logits, strategy.key_at(key, len(prompt_tokens)), history)
-    finite = mx.isfinite(logits).all()
-    mx.eval(first, finite, state)
-    if not finite.item():  # damaged weights give NaN logits, whose argmax is an arbitrary token
-        raise _nonfinite(model, len(prompt_tokens) - 1, prompt_tokens[-1], "for the prompt ")
-    h = hs[0] if len(hs) == 1 else mx.concatenate(hs, axis=1)
-    if head is not None:
-        # the head reads the trunk's state at each position with the token after it: from the first position
-        # it has not read (before `start` when resuming) to the prompt's last but one
-        pending = resume.pending if resume is not None and resume.pending is not None else h[:, :0]
-        read_from = start - pending.shape[1]
-        if read_from + 1 < len(prompt_tokens):
-            _, state["head"] = decoding.head_step(
-                model, head, mx.concatenate([pending, h[:, :-1]], axis=1),
-                mx.array([prompt_tokens[read_from + 1:]], mx.int32), state["head"], mx.array([read_from], mx.int32))
-        state["head_offset"] = mx.array([len(prompt_tokens) - 1], mx.int32)
-    # The first step's head reads one valid position, the prompt's last (padded to the pass's width)
-    pad = n_draft - 1
-    last = (mx.pad(h[:, -1:], [(0, 0), (0, pad), (0, 0)]), mx.pad(first.reshape(1, 1), [(0, 0), (0, pad)]),
-            mx.array([1], mx.int32))
-    return state, last, int(first.item())
 
 
 def _nonfinite(model: Model, position: int, token: int, what: str = "", drafts=()) -> NonFiniteLogitsError:
@@ -585,10 +374,3 @@ def _nonfinite(model: Model, position: int, token: int, what: str = "", drafts=(
     return NonFiniteLogitsError(
         f"model{where} computes NaN or Inf logits {what}at position {position} (after token {token}{text}"
         f"{verifying}): its weights are damaged (find the tensor with `python -m qmtp doctor MODEL --scan`)")
-
-
-def _replay(model: Model, before: dict, state: dict, last, kept: list[int], n_draft: int, hidden: str):
-    pre, post, _, layers = decoding.trunk_step(model, mx.array([kept], mx.int32), before, record=False)
-    h = post if hidden == "post" else pre
-    h = mx.pad(h, [(0, 0), (0, n_draft - len(kept)), (0, 0)])
-    return {**state, "layers": layers}, (h, last[1], last[2])

@@ -107,3 +107,19 @@ def event(what: str) -> None:
 
     if currently_in_test_context():
         count(what)
+
+
+def decode_planned(model, prompt, planner, rollback: str = "record", **settings):
+    """`prompt` decoded as a batch of one whose "auto" widths `planner` (a `qmtp.adaptive.DraftPlanner`) chooses:
+    every switch of width the engine can make, as a test scripts it. `settings`: `qmtp.Settings.of`'s."""
+    import qmtp
+    from qmtp.continuous import ContinuousBatch
+
+    batch = ContinuousBatch(model, max_batch=1, engine=qmtp.Engine(rollback=rollback), cache_entries=0,
+                            planner=planner)
+    request = batch.submit(list(prompt), qmtp.Settings.of(n_draft="auto", stop_at_eos=False, **settings))
+    while batch.step():
+        pass
+    if request.error is not None:
+        raise request.error
+    return request.generation()

@@ -51,7 +51,8 @@ def decode(out: Path, group, path=None) -> dict:
         found[f"auto_widths/{temperature}"] = g.stats.tokens_per_pass
         # the step costs each rank learned while decoding: rank 0's intervals, fed to every rank's planner
         found[f"auto_costs/{temperature}"] = [sorted(c.measured().items())
-                                              for c in sharded.__dict__["_step_costs"].values()]
+                                              for by_rows in sharded.__dict__["_step_costs"].values()
+                                              for c in by_rows.values()]
     # a conversation over raw ids: each turn resumes the state the last one left, on every rank alike
     for temperature in (0.0, 0.8):
         conversation = qmtp.Conversation(sharded, raw=True, n_draft=3, temperature=temperature, seed=SEED,

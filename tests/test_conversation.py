@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qmtp
-from qmtp import chat, decoding, speculative
+from qmtp import chat, continuous, decoding, speculative
 from qmtp.config import LINEAR
 from qmtp.errors import UsageError
 from qmtp.prefix_cache import common_prefix
@@ -141,13 +141,13 @@ def test_a_state_the_head_fell_behind_resumes_from_a_snapshot(model, monkeypatch
     """"auto" that gives drafting up for good stops the head: the state the turn leaves misses the head's
     entries, so the next turn resumes where the head was whole (the prompt's end), and still equals a fresh run."""
 
-    class GivesUp(speculative.DraftPlanner):
+    class GivesUp(continuous.DraftPlanner):
         def choose(self):
             if self.steps >= 3:
                 self.plain = True
             return 1 if self.plain else 3
 
-    monkeypatch.setattr(speculative, "DraftPlanner", GivesUp)
+    monkeypatch.setattr(continuous, "DraftPlanner", GivesUp)
     conversation = qmtp.Conversation(model, raw=True, n_draft="auto", max_tokens=MAX_TOKENS, stop_at_eos=False)
     first = conversation.send("Once upon a time")
     assert first.stats.tokens_per_pass[0] == 3 and first.stats.tokens_per_pass[-1] == 1 and conversation.cache.pending is None

@@ -185,9 +185,9 @@ def test_unchecked_api_arguments_are_one_line(model, case):
 
 
 def test_on_tokens_is_checked_before_the_prefill(model, monkeypatch):
-    from qmtp import speculative
+    from qmtp import continuous
 
-    monkeypatch.setattr(speculative, "_prefill", lambda *a, **k: pytest.fail("prefilled before checking"))
+    monkeypatch.setattr(continuous, "_prefill_row", lambda *a, **k: pytest.fail("prefilled before checking"))
     helpers.expect(qmtp.UsageError, lambda: qmtp.generate(model, PROMPT, on_tokens="print"), "on_tokens")
 
 

@@ -106,17 +106,18 @@ def test_clearing_a_prefix_cache_frees_it_for_another_model(bundled, copied):
 
 # ---- stop strings and characters still being decoded ---------------------------------------------------------
 def collect(model, steps_tokens, stops, max_tokens=64):
-    """`_collect` over scripted steps: the first list is the prefill's token, then one list per pass."""
-    from qmtp.speculative import Stats, Step, _collect
+    """The reply's text machine (`qmtp.text.ReplyText`, as the engine feeds it) over scripted steps: the first list
+    is the prefill's token, then one list per pass."""
+    from types import SimpleNamespace
 
-    def steps():
-        yield Step([], 0, steps_tokens[0])
-        for emitted in steps_tokens[1:]:
-            yield Step([0] * (len(emitted) - 1), len(emitted) - 1, emitted), None
+    from qmtp.text import ReplyText
 
-    widest = max(map(len, steps_tokens))
-    stats = Stats(n_draft=widest, drafted=[0] * widest, accepted=[0] * widest)
-    return _collect(model, steps(), [1], max_tokens, frozenset(), stops, None, stats, None, 0.0)
+    reply = ReplyText(model.tokenizer, frozenset(), stops, max_tokens)
+    for emitted in steps_tokens:
+        reply.take(emitted)
+        if reply.done:
+            break
+    return SimpleNamespace(text=reply.text, tokens=list(reply.tokens), finish_reason=reply.finish_reason or "length")
 
 
 def test_a_replacement_character_stop_does_not_cut_a_character_being_decoded(bundled):

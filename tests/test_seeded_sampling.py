@@ -56,19 +56,16 @@ def test_auto_is_reproducible_run_after_run(model):
 def test_switching_widths_step_by_step_keeps_the_sampled_tokens(small_vocab_model):
     """Widths changing at every step, then plain decoding (every switch a planner can make): the tokens of
     sampling plainly, with either roll back."""
-    from qmtp.speculative import decode_steps
+    from conftest import decode_planned
 
-    strategy = acceptance.strategy_for(Sampling(temperature=1.0, top_p=0.95, presence_penalty=0.5))
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False, temperature=1.0,
                               top_p=0.95, presence_penalty=0.5, seed=4).tokens
         for rollback in ("record", "replay"):
-            steps = decode_steps(small_vocab_model, prompt, CyclingPlanner([3, 5, 2, 4, 2, 5, 5, 3, 4]), strategy,
-                                 small_vocab_model.mtp, "post", rollback, 30, None, 4)
-            out = list(next(steps).emitted)  # the prefill's token, then (Step, experts) per pass
-            for step, _ in steps:
-                out.extend(step.emitted)
-            assert out[:30] == plain, (prompt, rollback)
+            g = decode_planned(small_vocab_model, prompt, CyclingPlanner([3, 5, 2, 4, 2, 5, 5, 3, 4]), rollback,
+                               max_tokens=30, temperature=1.0, top_p=0.95, presence_penalty=0.5, seed=4)
+            assert g.tokens == plain, (prompt, rollback)
+            assert len(set(g.stats.tokens_per_pass)) > 3
 
 
 def test_rejection_sampling_stays_available_and_differs_across_widths(small_vocab_model):

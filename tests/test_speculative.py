@@ -214,20 +214,14 @@ class CyclingPlanner(adaptive.DraftPlanner):
 
 @pytest.mark.parametrize("rollback", ["record", "replay"])
 def test_switching_widths_between_steps_is_lossless(small_vocab_model, rollback):
-    from qmtp.acceptance import Greedy
-    from qmtp.speculative import decode_steps
+    from conftest import decode_planned
 
     for prompt in PROMPTS:
         plain = qmtp.generate(small_vocab_model, prompt, max_tokens=30, stop_at_eos=False).tokens
-        planner = CyclingPlanner([3, 5, 2, 4, 2, 5, 5, 3, 4])
-        steps = decode_steps(small_vocab_model, prompt, planner, Greedy(), small_vocab_model.mtp, "post", rollback,
-                             30, None, 0)
-        out = list(next(steps).emitted)
-        widths = []
-        for step, _ in steps:
-            widths.append(1 + len(step.drafts))
-            out.extend(step.emitted)
-        assert out[:30] == plain
+        g = decode_planned(small_vocab_model, prompt, CyclingPlanner([3, 5, 2, 4, 2, 5, 5, 3, 4]), rollback,
+                           max_tokens=30)
+        widths = g.stats.tokens_per_pass
+        assert g.tokens == plain
         assert widths[-1] == 1 and len(set(widths)) > 3
 
 
@@ -235,14 +229,13 @@ def test_a_plain_step_that_follows_keeps_the_heads_cache_whole(model):
     """Width 1 chosen by a learning planner before it gives up drafting: the head still reads each position, so
     the drafts after such steps are the ones a generation that never stopped drafting makes at the same
     positions."""
-    from qmtp.acceptance import Greedy
-    from qmtp.speculative import decode_steps
+    from conftest import decode_planned
 
     def first_drafts(order, prompt):
         planner = CyclingPlanner(order)  # its widths 1 before the last: steps whose head follows
-        steps = decode_steps(model, prompt, planner, Greedy(), model.mtp, "post", "record", 40, None, 0)
-        position, drafts = len(next(steps).emitted), {}
-        for step, _ in steps:
+        g = decode_planned(model, prompt, planner, max_tokens=40)
+        position, drafts = 1, {}  # after the prefill's token
+        for step in g.stats.steps:
             if step.drafts:
                 drafts[position] = step.drafts[0]  # d_1: the guess for the token after the pending one
             position += len(step.emitted)
@@ -469,12 +462,13 @@ def test_a_learning_planner_is_within_5_percent_of_the_best_fixed_width(acceptan
 def test_auto_times_its_own_steps_and_carries_them(model):
     model.__dict__.pop("_step_costs", None)
     first = qmtp.generate(model, [1, 2, 3], max_tokens=40, n_draft="auto", stop_at_eos=False)
-    ((costs,),) = [list(model.__dict__["_step_costs"].values())]
+    ((by_rows,),) = [list(model.__dict__["_step_costs"].values())]
+    costs = by_rows[1]  # a generation is a batch of one
     timed = {n: len(t) for n, t in costs.samples.items()}
     widths = first.stats.tokens_per_pass
     assert timed and set(timed) <= set(widths)
     # only steps inside a run of their width are timed: fewer than the steps at that width
     assert all(0 < timed[n] < widths.count(n) for n in timed)
     qmtp.generate(model, [3, 2, 1], max_tokens=40, n_draft="auto", stop_at_eos=False)
-    assert list(model.__dict__["_step_costs"].values()) == [costs]  # the second generation went on timing it
+    assert list(model.__dict__["_step_costs"].values()) == [{1: costs}]  # the second generation went on timing it
     assert costs.timed > sum(timed.values())

@@ -21,7 +21,10 @@ import mlx.core as mx
 import qmtp
 from qmtp import decoding
 from qmtp.book.evaluate import heldout_prompts
-from qmtp.speculative import _prefill
+try:
+    from qmtp.continuous import prefill as _prefill
+except ImportError:  # a checkout before generate ran through the batch
+    from qmtp.speculative import _prefill
 
 ONE_STEP = hasattr(decoding, "compiled_step")
 if ONE_STEP:

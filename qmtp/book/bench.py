@@ -306,13 +306,13 @@ def interleaved_pass_costs(model: Model, prompt: list[int], n_drafts, rounds: in
     the width drafts) and "rounds", the calls each shape was timed."""
     from .. import acceptance, decoding
     from ..parallel import rank0_decides
-    from ..speculative import _prefill
+    from ..continuous import prefill
 
     greedy = acceptance.Greedy()
     calls = {}  # (n_draft, "verify" | "draft") -> a compiled call from that width's state
     for n in n_drafts:
         k = n - 1
-        state, last, _ = _prefill(model, model.mtp if k else None, prompt,
+        state, last, _ = prefill(model, model.mtp if k else None, prompt,
                                   decoding.capacity_for(len(prompt) + 2 * n), n, greedy, "post", mx.random.key(0))
         tokens = mx.array([[last[1][0, 0].item()] * n], mx.int32)
         verify = mx.compile(lambda s, t, k=k: model.logits(decoding.trunk_step(model, t, s, k > 0)[1]),

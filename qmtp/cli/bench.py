@@ -103,7 +103,7 @@ def run(args) -> int:
         args.json = None
     model = load(args.model, group=group)
     if args.bench == "mtp":
-        from ..speculative import MAX_N_DRAFT
+        from ..options import MAX_N_DRAFT
 
         if args.n_draft_max > MAX_N_DRAFT:
             raise UsageError(f"--n-draft-max {args.n_draft_max} is out of range: use 1 to {MAX_N_DRAFT}")

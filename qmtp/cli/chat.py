@@ -63,7 +63,7 @@ def check_flags(args) -> None:
     """Every flag checked before the load: loading the real model takes a minute, and its warnings should not
     come first."""
     from ..sampling import Sampling
-    from ..speculative import MAX_N_DRAFT
+    from ..options import MAX_N_DRAFT
 
     if args.n_draft == "auto":
         if not args.use_mtp:
