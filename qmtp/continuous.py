@@ -29,7 +29,7 @@ from .errors import UsageError
 from .model import COMPILE, Model, release_at_thread_exit
 from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .prefix_cache import PrefixCache, Resume
-from .speculative import ExpertRecorder, Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
+from .generation import ExpertRecorder, Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
 from .text import ReplyText
 
 PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
