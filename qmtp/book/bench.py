@@ -507,7 +507,8 @@ def mtp(model: Model, prompts: list, max_tokens: int = 64, n_drafts=(1, 2, 3, 4,
             "same_tokens_as_plain": [g.tokens for g in outputs[("qmtp", n)]] == plain_tokens,
             "head_share": (n - 1) * head / ((n - 1) * head + costs[n]["verify"]),
             "ideal_speedup": tokens_per_pass / (1 + (n - 1) * head / plain_pass),
-            "phase_seconds_per_pass": {name: t / (repeats * len(passes)) for name, t in phases.items()},
+            "phase_seconds_per_pass": {name: t / (repeats * len(passes)) for name, t in phases.items()
+                                       if name not in ("prefill", "host")},  # before the first token; the books
             "decode_seconds_per_pass": decode / (repeats * len(passes)),
             "step_seconds_mean": all_seconds[("qmtp", n)] / (repeats * len(passes)),
             "tokens_in_verify_pass": statistics.mean(tokens_in_pass),
@@ -577,7 +578,8 @@ def _auto_report(runs: list, speeds: list[float], results: list[dict], plain_tok
             "first_token_seconds": statistics.median(first_token),
             "first_token_over_plain": statistics.median(first_token) / next(
                 (r["first_token_seconds"] for r in results if r["n_draft"] == 1), float("nan")),
-            "phase_seconds_per_pass": {name: t / (repeats * passes) for name, t in timer.seconds.items()}}
+            "phase_seconds_per_pass": {name: t / (repeats * passes) for name, t in timer.seconds.items()
+                                       if name not in ("prefill", "host")}}
 
 
 def _peer_report(peer, outputs: dict, speeds: dict, n_drafts, plain_tokens: list, results: list) -> dict:
