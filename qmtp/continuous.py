@@ -883,8 +883,7 @@ class ContinuousBatch:
         neighbour."""
         now = time.perf_counter()
         this = (done.width, self._queued.width if self._queued is not None else None, len(done.rows))
-        if self._read_at is not None:
-            self._step_seconds = now - max(done.queued, self._read_at)
+        self._step_seconds = now - max(done.queued, self._read_at or done.queued)
         if this == self._previous and self._planner is not None and self._planner.learned is not None:
             seconds = now - self._read_at
             if self._agree is not None:
@@ -894,8 +893,6 @@ class ContinuousBatch:
 
     def _book(self, done: _Pass, report: list[decoding.RowReport]) -> None:
         """The host's share of a step: counters, the planner, every row's tokens; finished rows leave."""
-        if self._step_seconds is None:
-            self._step_seconds = time.perf_counter() - done.queued
         self._observe(done)
         if not self._record and done.width > 1:
             self._replay(done, report)
