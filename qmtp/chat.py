@@ -395,3 +395,20 @@ def split_thinking(text: str, opened: bool = False) -> tuple[str, str]:
     if opened or text.lstrip().startswith(THINK):
         return text.split(THINK, 1)[-1].strip("\n") if not opened else text.strip("\n"), ""
     return "", text
+
+
+def generation_prompt_start(tokenizer, messages, prompt_tokens: list[int], enable_thinking: bool | None = None,
+                            **variables) -> int:
+    """Where the generation prompt starts in `prompt_tokens` (`messages` rendered with it): the tokens the
+    template's render without it shares with them. A chat's next turn renders this turn's reply otherwise than it
+    was generated (Qwen's template drops its thinking), so the next prompt continues this one up to there: a
+    state held at that position (`ContinuousBatch.submit(..., marks=...)`) serves it. Found from the template's
+    own renders, never from a token's spelling; 0 when the template refuses the render (no mark)."""
+    from .prefix_cache import common_prefix
+
+    try:
+        history = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False,
+                                                enable_thinking=enable_thinking, tokenize=True, **variables)
+    except QmtpError:
+        return 0
+    return common_prefix(list(history), list(prompt_tokens))

@@ -47,8 +47,9 @@ class Request:
 
     def __init__(self, prompt_tokens: list[int], settings: Settings, on_tokens, strategy, eos: frozenset[int],
                  tokenizer=None, on_done=None, prefix_cache: PrefixCache | None = None,
-                 recorder: ExpertRecorder | None = None):
+                 recorder: ExpertRecorder | None = None, marks=()):
         self.prompt_tokens = list(prompt_tokens)
+        self.marks = tuple(marks)  # positions to hold the prompt's state at (a chat's generation prompt start)
         self.prefix_cache = prefix_cache  # a conversation's own cache (`generate(prefix_cache=...)`), else None
         self.recorder = recorder  # the experts of its verify passes (`Engine(track_experts=True)`), else None
         self._held = len(prompt_tokens)  # positions its trunk state holds
@@ -249,15 +250,6 @@ class _Held:
         return Resume(len(self.ids), self.state, self.pending)
 
 
-def turn_start(opener: int | None, prompt_tokens: list[int]) -> int:
-    """Where a ChatML prompt's last turn (its generation prompt) starts, or 0: a chat's next turn renders this
-    reply otherwise than it was generated (Qwen's template drops its thinking), so the two share the prompt
-    only up to there."""
-    if opener is None or opener not in prompt_tokens:
-        return 0
-    return len(prompt_tokens) - 1 - prompt_tokens[::-1].index(opener)
-
-
 def _resumed(model: Model, head, tokens: list[int], capacity: int, resume: Resume | None) -> dict:
     """The state a prefill starts from: empty, or a held one (a `Resume`) grown to `capacity`, its head (when
     drafting) having read the trunk's states it had not, each with the prompt's token after it."""
@@ -440,8 +432,6 @@ class ContinuousBatch:
         self.chunk_costs = ChunkCosts()  # what a prefill chunk costs, by its tokens
         self._budget = None  # prefill tokens this step may still run
         self._idle = True  # whether this step began with no row running
-        tokenizer = model.tokenizer
-        self._opener = tokenizer.token_to_id("<|im_start|>") if tokenizer is not None else None
         self.counters = {"steps": 0, "rows_stepped": 0, "max_rows_in_a_step": 0, "prefill_chunks": 0,
                          "generated": 0, "prefilled_tokens": 0, "prompt_rows_stepped": 0}
 
@@ -456,10 +446,13 @@ class ContinuousBatch:
         yet admitted waits for nothing while rows are free)."""
         return max(0, len(self._queue) - max(0, self.max_batch - self.active))
 
-    def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None, on_done=None) -> Request:
+    def submit(self, prompt_tokens: list[int], settings: Settings, on_tokens=None, on_done=None,
+               marks=()) -> Request:
         """Check the request now (a UsageError naming what is wrong) and queue it; thread-safe. `on_tokens`
-        gets each step's new tokens, `on_done` is called once the row has ended, both on the engine thread."""
-        request = self.check(prompt_tokens, settings, on_tokens, on_done)
+        gets each step's new tokens, `on_done` is called once the row has ended, both on the engine thread.
+        `marks`: a position of the prompt where a later prompt is likely to part from it (a chat's generation
+        prompt start, `qmtp.chat.generation_prompt_start`): its state there is held for it (the last mark)."""
+        request = self.check(prompt_tokens, settings, on_tokens, on_done, marks=marks)
         with self._lock:
             self._queue.append(request)
         self._wake.set()
@@ -472,7 +465,7 @@ class ContinuousBatch:
         self._wake.set()
 
     def check(self, prompt_tokens, settings: Settings, on_tokens=None, on_done=None,
-              prefix_cache: PrefixCache | None = None) -> Request:
+              prefix_cache: PrefixCache | None = None, marks=()) -> Request:
         """The request for a prompt and settings, every check done (nothing queued). `prefix_cache`: the
         request starts from the state it holds and leaves its own there (`generate(prefix_cache=...)`)."""
         if not isinstance(settings, Settings):
@@ -483,6 +476,10 @@ class ContinuousBatch:
             raise UsageError(f"on_done={on_done!r:.40} must be a function of no argument (or None)")
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise UsageError(f"prefix_cache: give a qmtp.PrefixCache (or None), not {type(prefix_cache).__name__}")
+        marks = (marks,) if isinstance(marks, int) and not isinstance(marks, bool) else marks
+        if not isinstance(marks, (list, tuple)) or any(isinstance(m, bool) or not isinstance(m, int) or m < 0
+                                                       for m in marks):
+            raise UsageError(f"marks={marks!r:.40}: give prompt positions (integers >= 0)")
         if settings.n_draft != 1 and self.drafter is None:
             self.model.require_head()
         sampler = settings.check_for(self.model)
@@ -493,7 +490,7 @@ class ContinuousBatch:
         eos = chat.end_ids(self.model) if settings.stop_at_eos else frozenset()
         return Request(prompt_tokens, settings, on_tokens, acceptance.strategy_for(sampler, self.engine.acceptance),
                        _end_set(eos), self.model.tokenizer, on_done, prefix_cache,
-                       ExpertRecorder() if self.engine.track_experts else None)
+                       ExpertRecorder() if self.engine.track_experts else None, marks)
 
     def run(self, stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, else wait for a submit (or `stop`)."""
@@ -569,7 +566,7 @@ class ContinuousBatch:
         else:
             held = self._lookup(request)
             resume = held.resume() if held is not None else None
-            mark = turn_start(self._opener, prompt) if self.cache_entries else 0
+            mark = max((m for m in request.marks if 0 < m < len(prompt)), default=0) if self.cache_entries else 0
             if held is not None and mark <= len(held.ids):
                 mark = 0
             marks, on_mark = (mark,), self._turn_holder(request, mark) if mark else None

@@ -557,3 +557,18 @@ def test_doctor_reports_the_chat_template(tmp_path, capsys):
     assert cli.main(["doctor", str(model_dir(tmp_path / "bad", template="{% if %}"))]) == 2
     out, err = capsys.readouterr()
     assert "chat template: BROKEN (the chat template does not compile" in out and "does not compile" in err
+
+
+@pytest.mark.parametrize("opener", ["<|im_start|>", "### "])
+def test_the_turn_mark_is_where_the_generation_prompt_starts(tmp_path, opener):
+    """The mark a chat's prompt holds its state at comes from the template's own renders: with another template's
+    spelling of a turn's start, it is still where the generation prompt starts."""
+    template = ("{% for m in messages %}" + opener + "{{ m.role }}\n{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}" + opener + "assistant\n{% endif %}")
+    tokenizer = Tokenizer.from_dir(template_dir(tmp_path, template))
+    messages = [{"role": "user", "content": "Hello there"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=True)
+    mark = chat.generation_prompt_start(tokenizer, messages, prompt)
+    assert 0 < mark < len(prompt)
+    assert tokenizer.decode(prompt[mark:]).startswith(opener.strip())
+    assert tokenizer.decode(prompt[:mark]).endswith("Hello there\n")

@@ -9,7 +9,7 @@ import pytest
 
 import qmtp
 from qmtp import ContinuousBatch, Settings
-from qmtp import continuous
+from qmtp import chat, continuous
 from qmtp.errors import UsageError
 from test_speculative import model, small_vocab_model  # noqa: F401 (fixtures)
 
@@ -111,12 +111,13 @@ def test_a_chats_next_turn_resumes_from_where_its_last_turn_started(n_draft):
     settings = Settings.of(max_tokens=12, n_draft=n_draft)
     messages = [{"role": "user", "content": "Tell me about the cat."}]
     first_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, enable_thinking=True))
-    first = batch.submit(first_prompt, settings)
+    turn = chat.generation_prompt_start(tokenizer, messages, first_prompt, enable_thinking=True)
+    first = batch.submit(first_prompt, settings, marks=(turn,))
     while batch.step():
         pass
     history = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the dog?"}]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(history, enable_thinking=True))
-    turn = continuous.turn_start(tokenizer.token_to_id("<|im_start|>"), first_prompt)
+    assert 0 < turn < len(first_prompt)
     assert prompt[:turn] == first_prompt[:turn] and prompt[:len(first_prompt)] != first_prompt
     nxt = batch.submit(prompt, settings)
     while batch.step():
@@ -191,7 +192,7 @@ def _join_as_row(model, running, joining, join="rows", max_batch=4, cache_entrie
     rows = [batch.submit(p, s) for p, s in running]
     for _ in range(2):
         batch.step()
-    joined = [batch.submit(p, s) for p, s in joining]
+    joined = [batch.submit(row[0], row[1], marks=row[2] if len(row) > 2 else ()) for row in joining]
     while batch.step():
         pass
     return batch, rows, joined
@@ -253,11 +254,11 @@ def test_a_chat_read_as_a_row_holds_its_turn_start_for_the_next_turn(n_draft):
     messages = [{"role": "user", "content": "Tell me about the cat and the dog and the bird."}]
     first_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, enable_thinking=True))
     busy = ([7, 8, 9], Settings.of(max_tokens=400, n_draft=n_draft, stop_at_eos=False))
-    batch, _, (first,) = _join_as_row(bundled, [busy], [(first_prompt, settings)], cache_entries=4)
+    turn = chat.generation_prompt_start(tokenizer, messages, first_prompt, enable_thinking=True)
+    batch, _, (first,) = _join_as_row(bundled, [busy], [(first_prompt, settings, (turn,))], cache_entries=4)
     assert batch.counters["prompt_rows_stepped"] > 0
     history = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(history, enable_thinking=True))
-    turn = continuous.turn_start(tokenizer.token_to_id("<|im_start|>"), first_prompt)
     nxt = batch.submit(prompt, settings)
     while batch.step():
         pass

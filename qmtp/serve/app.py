@@ -146,7 +146,8 @@ class Server:
                            code="queue_full")
         live = _Live(asyncio.get_running_loop())
         try:
-            live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push, on_done=live.end)
+            live.row = self.engine.submit(parsed.prompt_tokens, parsed.settings, live.push, on_done=live.end,
+                                          marks=parsed.marks)
         except UsageError as error:  # what the engine checks itself (protocol checked the fields before)
             raise ApiError(str(error), None) from None
         self.watcher.rows.add(live)

@@ -89,6 +89,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     opened_thinking: bool  # the prompt leaves the reply inside <think>: reasoning_content comes apart
+    marks: tuple = ()  # where the chat's next turn parts from this prompt (`chat.generation_prompt_start`)
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,8 @@ def parse_chat(body, served: Served) -> Parsed:
     given = [(_optional_int(body, name, 1), name) for name in names]
     max_tokens, field = next(((n, name) for n, name in given if n is not None), (None, "max_tokens"))
     settings = _settings(body, served, prompt_tokens, max_tokens, field)
-    return Parsed("chat", prompt_tokens, settings, stream, include_usage, chat.opens_thinking(text))
+    turn = chat.generation_prompt_start(tokenizer, messages, prompt_tokens, enable_thinking, **variables)
+    return Parsed("chat", prompt_tokens, settings, stream, include_usage, chat.opens_thinking(text), (turn,))
 
 
 def _prompt(prompt, tokenizer) -> list[int]:
