@@ -30,6 +30,7 @@ from .sampling import Sampling
 from .sampling import resolve as resolve_sampling
 
 MAX_N_DRAFT = 8
+DRAFTING_N_DRAFT = "auto"  # `chat --use-mtp` and `serve` with a head: the width chosen per step from its costs
 SEEDS = 2**64  # a seed is a non-negative integer below this
 HIDDEN = ("post", "pre")  # the trunk state the head reads: after the trunk's final norm, or before it
 ROLLBACKS = ("record", "replay")
@@ -75,6 +76,15 @@ def _integer(name: str, value, auto: bool = False) -> int | str:
     return int(value)
 
 
+def check_n_draft(n_draft) -> int | str:
+    """n_draft as every entry point takes it (`generate`, the batch, `chat --n-draft`, the server's field): a
+    whole number of tokens per trunk pass from 1 (plain decoding) to MAX_N_DRAFT, or "auto"."""
+    n_draft = _integer("n_draft", n_draft, auto=True)
+    if n_draft != "auto" and not 1 <= n_draft <= MAX_N_DRAFT:
+        raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}, or 'auto'")
+    return n_draft
+
+
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -113,7 +123,7 @@ class Settings:
            frequency_penalty: float | None = None, repetition_penalty: float | None = None) -> Settings:
         """The settings, each checked now (the model-dependent ones, in `sampler` and `check_for`)."""
         max_tokens = _integer("max_tokens", max_tokens)
-        n_draft = _integer("n_draft", n_draft, auto=True)
+        n_draft = check_n_draft(n_draft)
         if isinstance(temperature, bool) or not isinstance(temperature, (type(None), int, float, np.integer,
                                                                          np.floating)):
             raise UsageError(f"temperature={temperature!r:.40} must be a number")
@@ -121,8 +131,6 @@ class Settings:
             raise UsageError(f"temperature={temperature} must be a finite number >= 0")
         if max_tokens < 1:
             raise UsageError(f"max_tokens={max_tokens} must be at least 1")
-        if n_draft != "auto" and not 1 <= n_draft <= MAX_N_DRAFT:
-            raise UsageError(f"n_draft={n_draft} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEEDS:
             raise UsageError(f"seed={seed!r:.40} must be a non-negative integer below 2**64")
         if not isinstance(stop_at_eos, (bool, np.bool_)):

@@ -390,9 +390,9 @@ def answer(report: dict) -> dict:
 
 # ---- a server in this process, for the chapter's client call ---------------------------------------------------
 @contextlib.contextmanager
-def serving(model, n_draft=3, max_batch: int = 8):
-    """`qmtp serve`'s app over `model` on a free port of 127.0.0.1, run by uvicorn in a thread; yields its base
-    URL and stops it on leaving."""
+def serving(model, n_draft=None, max_batch: int = 8):
+    """`qmtp serve`'s app over `model` on a free port of 127.0.0.1, run by uvicorn in a thread (n_draft None: the
+    server's default); yields its base URL and stops it on leaving."""
     import uvicorn
 
     from ..serve.main import build

@@ -18,7 +18,7 @@ def register(commands) -> None:
                       help="draft with the MTP head (--use-mtp, --use-mtp=true, --use-mtp=false)")
     chat.add_argument("--n-draft", type=options.n_draft, default=None, metavar="N|auto",
                       help="tokens per trunk pass counting the trunk's own (2 = one head draft; auto: chosen per "
-                           "step); needs --use-mtp")
+                           "step); needs --use-mtp, whose default is auto")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0: greedy (default: the model's generation_config.json, else greedy)")
     # The sampler: the model's generation_config.json settings unless these override them
@@ -63,13 +63,8 @@ def check_flags(args) -> None:
     """Every flag checked before the load: loading the real model takes a minute, and its warnings should not
     come first."""
     from ..sampling import Sampling
-    from ..options import MAX_N_DRAFT
 
-    if args.n_draft == "auto":
-        if not args.use_mtp:
-            raise UsageError("--n-draft auto drafts with the MTP head, which needs --use-mtp")
-    else:
-        options.check_n_draft(args, MAX_N_DRAFT)
+    options.drafting_width(args)
     if args.prompt is not None and not args.prompt:
         raise UsageError("the prompt is empty: give at least one token of text")
     if args.seed >= 2**64:  # MLX's random key takes 64 bits (a negative seed: generate says so)

@@ -32,13 +32,18 @@ def parse_bool(text: str) -> bool:
 
 
 def n_draft(text: str):
-    """--n-draft: a whole number, or "auto" (the width chosen per step)."""
-    if text == "auto":
-        return text
+    """--n-draft: a whole number, or "auto" (the width chosen per step), checked as `generate` checks it."""
+    from ..options import check_n_draft
+
+    if text != "auto":
+        try:
+            text = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+        return check_n_draft(text)
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("n_draft=")) from None
 
 
 def positive_int(text: str) -> int:
@@ -124,17 +129,18 @@ def add_rank_options(parser) -> None:
                         help="with --ranks or --hostfile: end every rank after S seconds (a rank that hangs)")
 
 
-def check_n_draft(args, most: int) -> None:
-    """--n-draft against --use-mtp: a width above 1 drafts, so it needs the head; the default follows --use-mtp."""
-    if args.n_draft is not None and args.n_draft > 1 and not args.use_mtp:
+def drafting_width(args) -> None:
+    """--n-draft against --use-mtp: a width above 1 (or auto) drafts, so it needs the head; left out, it is
+    `qmtp.options.DRAFTING_N_DRAFT` with --use-mtp and 1 (plain) without."""
+    from ..options import DRAFTING_N_DRAFT
+
+    if args.n_draft not in (None, 1) and not args.use_mtp:
         raise UsageError(f"--n-draft {args.n_draft} drafts with the MTP head, which needs --use-mtp; add --use-mtp "
                          f"(or leave --n-draft out for plain decoding)")
     if args.n_draft is None:
-        args.n_draft = 2 if args.use_mtp else 1
-    if not 1 <= args.n_draft <= most:
-        raise UsageError(f"--n-draft {args.n_draft} is out of range: use 1 (plain decoding) to {most}, or auto")
-    if args.use_mtp and args.n_draft < 2:
-        raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more")
+        args.n_draft = DRAFTING_N_DRAFT if args.use_mtp else 1
+    if args.use_mtp and args.n_draft == 1:
+        raise UsageError(f"--n-draft {args.n_draft} with --use-mtp: drafting needs --n-draft 2 or more, or auto")
 
 
 def utf8_argument(text: str, flag: str) -> str:

@@ -6,22 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli.options import n_draft as n_draft_argument
 from ..errors import QmtpError, UsageError
-from ..options import MAX_N_DRAFT
-
-DEFAULT_N_DRAFT = 3
-
-
-def _n_draft(text: str):
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from 1 to {MAX_N_DRAFT}, or auto") from None
-    if not 1 <= value <= MAX_N_DRAFT:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use 1 (plain decoding) to {MAX_N_DRAFT}")
-    return value
+from ..options import DRAFTING_N_DRAFT
 
 
 def _positive(text: str) -> int:
@@ -41,9 +28,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a qmtp or mlx-lm checkpoint folder (default: $QMTP_MODEL, else the bundled tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--n-draft", type=_n_draft, default=None, metavar="N|auto",
+    p.add_argument("--n-draft", type=n_draft_argument, default=None, metavar="N|auto",
                    help=f"tokens per trunk pass counting the trunk's own (1: no drafting; default "
-                        f"{DEFAULT_N_DRAFT} with an MTP head, else 1); a request's n_draft overrides it")
+                        f"{DRAFTING_N_DRAFT} with an MTP head, else 1); a request's n_draft overrides it")
     p.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together at most")
     p.add_argument("--max-queue", type=_positive, default=64,
                    help="requests waiting for a row at most, once --max-batch rows are busy; one more is answered 429")
@@ -67,7 +54,7 @@ def build(model, n_draft=None, max_batch: int = 8, max_queue: int = 64, api_key:
     from .protocol import Served, defaults
 
     if n_draft is None:
-        n_draft = DEFAULT_N_DRAFT if model.mtp is not None else 1
+        n_draft = DRAFTING_N_DRAFT if model.mtp is not None else 1
     if engine is None:
         engine = engine_class()(model, max_batch=max_batch)
     name = name or (Path(model.path).name if model.path else "qmtp")

@@ -28,8 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .. import chat
+from ..adaptive import WIDTHS
 from ..errors import CheckpointError, QmtpError, TemplateError, TemplateTimeoutError, UsageError
-from ..options import MAX_N_DRAFT, SEEDS, Settings
+from ..options import SEEDS, Settings, check_n_draft
 from ..sampling import Sampling
 
 log = logging.getLogger("qmtp.serve")
@@ -270,14 +271,15 @@ def _settings(body: Mapping, served: Served, prompt_tokens: list[int], max_token
     n_draft = _whole(body.get("n_draft", None))
     if n_draft is None:
         n_draft = served.n_draft
-    elif n_draft != "auto" and (not _is_int(n_draft) or not 1 <= n_draft <= MAX_N_DRAFT):
-        raise ApiError(f"n_draft={_shown(n_draft)} must be an integer from 1 (plain decoding) to {MAX_N_DRAFT}, "
-                       f"or \"auto\"", "n_draft")
+    try:
+        n_draft = check_n_draft(n_draft)
+    except UsageError as error:
+        raise ApiError(str(error), "n_draft") from None
     limit = model.config.max_position_embeddings
     if len(prompt_tokens) > limit:
         raise ApiError(f"the prompt is {len(prompt_tokens)} tokens, longer than the model's context of {limit} "
                        f"tokens", "messages" if "messages" in body else "prompt", code="context_length_exceeded")
-    widest = 5 if n_draft == "auto" else n_draft
+    widest = max(WIDTHS) if n_draft == "auto" else n_draft
     room = limit - len(prompt_tokens) - (widest - 1)
     if max_tokens is None:
         if room < 1:
