@@ -1,9 +1,9 @@
-"""Tokenizers: train a small byte-level BPE for the toy model, save it, load any ``tokenizer.json``.
+"""Tokenizers: save one, load any ``tokenizer.json``.
 
-The toy model uses a byte-level BPE trained here on the synthetic corpus (:mod:`qmtp.tiny.corpus`);
-the real Qwen3.6 checkpoint ships its own byte-level BPE in ``tokenizer.json``. Both load through
-:meth:`Tokenizer.from_dir`, which needs only the HuggingFace ``tokenizers`` library, not
-``transformers``.
+The toy model uses a byte-level BPE trained on the synthetic corpus (:mod:`qmtp.tiny.corpus`) by
+:func:`qmtp.tiny.bpe.train_bpe`; the real Qwen3.6 checkpoint ships its own byte-level BPE in
+``tokenizer.json``. Both load through :meth:`Tokenizer.from_dir`, which needs only the HuggingFace
+``tokenizers`` library, not ``transformers``.
 
 Byte-level BPE maps every byte to a token before merging, so any string round-trips:
 ``decode(encode(s)) == s`` (for the Qwen tokenizer, up to its NFC normalisation).
@@ -22,62 +22,18 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders
 
 from qmtp.checkpoint import open_regular, read_json, write_atomic
 from . import chat
 from .errors import CheckpointError, TemplateError, TemplateRefusedError, UsageError
 
-__all__ = ["EOS_TOKEN", "Tokenizer", "save", "train_bpe"]
+__all__ = ["EOS_TOKEN", "Tokenizer", "save"]
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024  # Qwen's tokenizer.json is about 11 MB
-
-
-def train_bpe(
-    texts: Iterable[str],
-    vocab_size: int = 1024,
-    special_tokens: Sequence[str] = (EOS_TOKEN,),
-) -> tokenizers.Tokenizer:
-    """Train a byte-level BPE on ``texts`` and return the ``tokenizers.Tokenizer``.
-
-    ``vocab_size`` counts everything: the special tokens (ids 0, 1, ... in the order given), the
-    256 byte symbols, then the merges. Words are split with the GPT-2 regex of the ByteLevel
-    pre-tokenizer, without a prefix space, so ``"Tom"`` at the start of a document and ``" Tom"``
-    after a space are different tokens, as in Qwen's tokenizer.
-
-    Training is deterministic: the same texts in the same order give a byte-identical
-    ``tokenizer.json`` (checked by the tests across separate processes).
-    """
-    if isinstance(texts, str):
-        raise UsageError("texts must be an iterable of strings, not a single string; wrap it in a list")
-    if isinstance(special_tokens, str):
-        raise UsageError(f"special_tokens must be a sequence of strings, not the string {special_tokens!r}")
-    specials = list(special_tokens)
-    if len(set(specials)) != len(specials) or not all(isinstance(t, str) and t for t in specials):
-        raise UsageError(f"special_tokens must be distinct non-empty strings, got {specials!r}")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    minimum = len(alphabet) + len(specials)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
-        raise UsageError(
-            f"vocab_size must be an integer >= {minimum} (256 bytes + {len(specials)} special "
-            f"tokens), got {vocab_size!r}"
-        )
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=specials,
-        initial_alphabet=sorted(alphabet),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
 
 
 def save(

@@ -33,7 +33,8 @@ from helpers import rewrite
 from qmtp.tiny import corpus, synthetic
 from qmtp.checkpoint import INDEX_NAME, Checkpoint
 from qmtp.errors import QmtpError, UsageError
-from qmtp.tokenizer import save, train_bpe
+from qmtp.tiny.bpe import train_bpe
+from qmtp.tokenizer import save
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 300  # the trained tokenizer's size, and so the synthetic model's

@@ -24,10 +24,10 @@ CHAT_TOKENS = [text for text, _ in chat_format.CHAT_TOKENS]
 def plain_dir(tmp_path_factory):
     """A tokenizer trained on plain text only (the bundled one before its chat format)."""
     from qmtp import tokenizer as tok
-    from qmtp.tiny import corpus
+    from qmtp.tiny import bpe, corpus
 
     directory = tmp_path_factory.mktemp("plain")
-    tok.save(tok.train_bpe((t for _, t in corpus.iter_documents(400)), vocab_size=400), directory)
+    tok.save(bpe.train_bpe((t for _, t in corpus.iter_documents(400)), vocab_size=400), directory)
     return directory
 
 

@@ -1,4 +1,4 @@
-"""Tests for qmtp.tokenizer: BPE training, save/load, round trips, eos lookup, errors."""
+"""Tests for qmtp.tokenizer and qmtp.tiny.bpe: BPE training, save/load, round trips, eos lookup, errors."""
 
 import json
 import os
@@ -12,7 +12,8 @@ from tokenizers import decoders, normalizers, pre_tokenizers
 
 from qmtp.tiny import corpus
 from qmtp.errors import CheckpointError, UsageError
-from qmtp.tokenizer import EOS_TOKEN, Tokenizer, save, train_bpe
+from qmtp.tiny.bpe import train_bpe
+from qmtp.tokenizer import EOS_TOKEN, Tokenizer, save
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,7 +190,8 @@ def test_training_is_deterministic_in_process(texts):
 _TRAIN_SCRIPT = """
 import hashlib, sys, tempfile, pathlib
 from qmtp.tiny import corpus
-from qmtp.tokenizer import train_bpe, save
+from qmtp.tiny.bpe import train_bpe
+from qmtp.tokenizer import save
 d = pathlib.Path(tempfile.mkdtemp())
 save(train_bpe((t for _, t in corpus.iter_documents(600, seed=0)), vocab_size=600), d)
 print(hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest())

@@ -492,6 +492,7 @@ def export_head_stage(model: Model, source: Path, dest: Path, out: Path, start: 
 def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size: int) -> dict:
     """Corpus -> tokenizer -> token streams, cached in OUT/data so a resumed run does not redo them."""
     from . import corpus
+    from .bpe import train_bpe
     from .. import tokenizer as tok
 
     data_dir = out / "data"
@@ -510,7 +511,7 @@ def prepare_data(out: Path, seed: int, n_train: int, n_heldout: int, vocab_size:
         size += len(text)
         if size > TOKENIZER_SAMPLE_BYTES:
             break
-    backend = tok.train_bpe(sample, vocab_size=vocab_size)
+    backend = train_bpe(sample, vocab_size=vocab_size)
     data_dir.mkdir(parents=True, exist_ok=True)
     tok.save(backend, data_dir)
     tokenizer = tok.Tokenizer.from_dir(data_dir)
