@@ -301,24 +301,24 @@ glue("rw_verdict",
 # A row holds its own decoding state: the KV buffers of the 10 attention layers and the head's (as long as the
 # positions the batch's longest row has reached, rounded up to a power of two: they grow as rows decode), the
 # 30 DeltaNet layers' state (conv inputs and the recurrent S, in float32), and, during a verify pass of n tokens, one
-# snapshot of that state per position, so the roll back can keep the last accepted one (`qmtp.sizes.row_memory`).
+# snapshot of that state per position, so the roll back can keep the last accepted one (`qmtp.book.under_load.row_memory`).
 # Beside the 4-bit model (head in bf16) and a runtime assumed at {glue:text}`runtime_gb:.0f` GB, with
-# {glue:text}`os_share:.0f`% of the machine left to the operating system (both assumptions, named in `qmtp.sizes`),
+# {glue:text}`os_share:.0f`% of the machine left to the operating system (both assumptions, named in `qmtp.book.under_load`),
 # the largest batch per machine size:
 
 # %%
 Markdown(under_load.batch_fits_table(REAL, contexts=(4096, 32768), n_drafts=(1, 5), machines_gb=(24, 64, 128)))
 
 # %% tags=["remove-cell"]
-glue("runtime_gb", qmtp.sizes.RUNTIME_BYTES / 1e9, display=False)
-glue("os_share", qmtp.sizes.OS_SHARE * 100, display=False)
-row_plain, row_five = (qmtp.sizes.row_memory(REAL, 4096, n) for n in (1, 5))
+glue("runtime_gb", under_load.RUNTIME_BYTES / 1e9, display=False)
+glue("os_share", under_load.OS_SHARE * 100, display=False)
+row_plain, row_five = (under_load.row_memory(REAL, 4096, n) for n in (1, 5))
 glue("row_plain_mb", row_plain.total_bytes / 1e6, display=False)
 glue("row_five_mb", row_five.total_bytes / 1e6, display=False)
 glue("snapshot_share", row_five.snapshot_bytes / row_five.total_bytes * 100, display=False)
 glue("weights_gb", qmtp.sizes.sizes(REAL, bits=4).total_bytes / 1e9, display=False)
-glue("rows_64_plain", qmtp.sizes.largest_batch(REAL, 64e9, 4096, 1), display=False)
-glue("rows_64_five", qmtp.sizes.largest_batch(REAL, 64e9, 4096, 5), display=False)
+glue("rows_64_plain", under_load.largest_batch(REAL, 64e9, 4096, 1), display=False)
+glue("rows_64_five", under_load.largest_batch(REAL, 64e9, 4096, 5), display=False)
 
 # %% [markdown]
 # At 4,096 positions a plain row holds {glue:text}`row_plain_mb:.0f` MB and a row at n_draft 5

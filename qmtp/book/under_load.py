@@ -34,8 +34,9 @@ Two runs are too long for the build and run outside it, their reports saved in `
 when they ran (`saved`): verify passes over B rows x n tokens on the real widths (`python -m qmtp bench batch
 --real-width`) and the server under load beside mlx_lm.server (`python -m qmtp bench serve`).
 
-Also here: the tables and the figure of chapter 11 (one each per function), and a server started in this process
-for the chapter's client call (`serving`, `load_rounds`).
+Also here: the tables and the figure of chapter 11 (one each per function), a server started in this process
+for the chapter's client call (`serving`, `load_rounds`), and the memory one decoding row holds at full size
+with the largest batch that fits beside the model (`row_memory`, `largest_batch`, `batch_fits`).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import QWEN36_35B_A3B, ModelConfig
+from ..config import LINEAR, QWEN36_35B_A3B, ModelConfig
 from ..sizes import sizes
 from . import cost_model, published
 from .inventory import markdown_table
@@ -533,18 +535,72 @@ def join_verdict(runs: list[dict], goal: float = 2.0) -> str:
     return f"met by 9 steps in 10 at both widths, {tail}"
 
 
+# ---- memory per decoding row, and the largest batch that fits ---------------------------------------------
+RUNTIME_BYTES = 3 * 10**9  # assumed: the Python process, MLX's kernels and buffer cache, activations of a pass
+OS_SHARE = 0.25  # assumed: the share of a machine's memory the operating system and other programs keep
+
+
+@dataclass
+class RowMemory:
+    """Bytes one decoding row holds (`qmtp.continuous`): the trunk's KV buffers at `context` positions, the
+    head's, the linear-attention state (conv inputs and S per layer) and, during a verify pass, one snapshot of
+    that state per position of the pass (the roll back keeps the row's last kept one)."""
+
+    context: int
+    n_draft: int
+    kv_bytes: int
+    head_kv_bytes: int
+    linear_bytes: int
+    snapshot_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.head_kv_bytes + self.linear_bytes + self.snapshot_bytes
+
+
+def row_memory(config: ModelConfig, context: int = 4096, n_draft: int = 5, dtype_bytes: int = 2) -> RowMemory:
+    """One row's decoding state for `config` at `context` positions and passes of `n_draft` tokens (KV and conv
+    inputs in the compute dtype, `dtype_bytes`; S in float32, as `GatedDeltaNet.empty_state` keeps it)."""
+    kinds = config.layer_types if getattr(config, "layer_types", None) else []
+    linear = sum(kind == LINEAR for kind in kinds)
+    attention = config.num_hidden_layers - linear
+    per_position = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes  # keys and values
+    conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim * dtype_bytes
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    head_layers = getattr(config, "mtp_num_hidden_layers", 1) or 1
+    return RowMemory(context, n_draft, kv_bytes=attention * per_position * context,
+                     head_kv_bytes=head_layers * per_position * context, linear_bytes=linear * (conv + recurrent),
+                     snapshot_bytes=(n_draft if n_draft > 1 else 0) * linear * (conv + recurrent))
+
+
+def largest_batch(config: ModelConfig, machine_bytes: float, context: int = 4096, n_draft: int = 5, bits: int = 4,
+                  runtime_bytes: int = RUNTIME_BYTES, os_share: float = OS_SHARE) -> int:
+    """The most rows that fit beside the `bits`-bit model (its head in bf16) and the runtime in what the operating
+    system leaves of `machine_bytes` (0: not even the model fits)."""
+    weights = sizes(config, bits=bits).total_bytes
+    free = machine_bytes * (1 - os_share) - weights - runtime_bytes
+    return max(0, int(free // row_memory(config, context, n_draft).total_bytes))
+
+
+def batch_fits(config: ModelConfig, machines_gb=(24, 64, 128), context: int = 4096, n_draft: int = 5,
+               bits: int = 4) -> list[dict]:
+    """Per machine size: the weights, one row's memory and the largest batch (`largest_batch`)."""
+    row = row_memory(config, context, n_draft)
+    weights = sizes(config, bits=bits).total_bytes
+    return [{"machine_GB": gb, "weights_GB": weights / 1e9, "row_MB": row.total_bytes / 1e6,
+             "largest_batch": largest_batch(config, gb * 1e9, context, n_draft, bits)} for gb in machines_gb]
+
+
 def batch_fits_table(config: ModelConfig = QWEN36_35B_A3B, contexts=(4096, 32768), n_drafts=(1, 5),
                      machines_gb=(24, 64, 128), bits: int = 4) -> str:
-    """`qmtp.sizes.batch_fits` as a Markdown table: per context and n_draft, one row's decoding state (its KV,
+    """`batch_fits` as a Markdown table: per context and n_draft, one row's decoding state (its KV,
     head KV, linear-attention state and roll-back snapshots) and the largest batch beside the `bits`-bit model
     and the runtime on each machine size."""
-    from .. import sizes
-
     shown = []
     for context in contexts:
         for n_draft in n_drafts:
-            row = sizes.row_memory(config, context, n_draft)
-            fits = sizes.batch_fits(config, machines_gb, context, n_draft, bits)
+            row = row_memory(config, context, n_draft)
+            fits = batch_fits(config, machines_gb, context, n_draft, bits)
             shown.append({"context": context, "n_draft": n_draft, "KV MB": f"{row.kv_bytes / 1e6:.0f}",
                           "head KV MB": f"{row.head_kv_bytes / 1e6:.0f}",
                           "linear state MB": f"{row.linear_bytes / 1e6:.0f}",
