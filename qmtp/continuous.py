@@ -31,6 +31,7 @@ from .options import DEFAULT_ENGINE, MAX_N_DRAFT, Engine, Settings
 from .prefix_cache import PrefixCache, Resume
 from .generation import ExpertRecorder, Generation, Stats, Step, _end_set, _untimed, _nonfinite, _validate
 from .text import ReplyText
+from .traces import traces_of
 
 PREFILL_CHUNK = 8  # tokens of a joining prompt's first chunk while rows run, before any chunk is timed
 CHUNK_SHARE = 0.8  # a chunk's time, as a share of one decoding step's: the rows' interval stays under twice theirs
@@ -211,13 +212,11 @@ def _chunk_passes(model: Model, head, compiled: bool = True):
 
     if not (COMPILE and compiled):
         return trunk, head_over
-    passes = model.__dict__.setdefault("_chunk_passes", {})
-    key = id(head)
-    if key not in passes:
-        passes[key] = (mx.compile(trunk, inputs=[model.state]),
-                       mx.compile(head_over, inputs=[model.state] + ([head.state] if head is not None
-                                                                       and head is not model.mtp else [])))
-    return passes[key]
+    owner = head if head is not None else model  # an ablation head's traces go with it (`qmtp.traces`)
+    return traces_of(owner).get(("chunk passes", id(model)), lambda: (
+        mx.compile(trunk, inputs=[model.state]),
+        mx.compile(head_over, inputs=[model.state] + ([head.state] if head is not None and head is not model.mtp
+                                                      else []))))
 
 
 def _fresh_history(vocab: int, prompt: list[int]) -> dict:

@@ -45,6 +45,7 @@ import mlx.core as mx
 from .config import LINEAR
 from .model import COMPILE
 from .sampling import one_hot
+from .traces import traces_of
 
 MIN_CAPACITY = 64
 
@@ -376,18 +377,18 @@ def compiled_step(model, head, k: int, strategies: tuple, caps: tuple, hidden: s
                   drafting=DRAFTING, follows: bool = False, feeding: tuple = (), compiled: bool = True):
     """`step` for these rows' strategies and caps, this width and these options (`drafting`: the head's cache and
     chain options; `follows`: a plain step whose head reads the pass; `feeding`: which rows read a prompt), traced
-    by `mx.compile` once and replayed (the weights are implicit inputs, read at every call). The one cache of
-    compiled steps, for a single generation and a batch alike: kept with the head that drafts (an ablation head's
-    traces are freed with it), with the model when no head is read."""
+    by `mx.compile` once and replayed (the weights are implicit inputs, read at every call). Kept in the traces
+    of the head that drafts (`qmtp.traces`: an ablation head's are freed with it), of the model when no head is
+    read; for a single generation and a batch alike."""
     head = head if (k or follows) else None
     owner = head if head is not None else model
-    steps = owner.__dict__.setdefault("_compiled_steps", {})
     feeding = feeding if any(feeding) else ()
     drafting = tuple(drafting) if k else DRAFTING
     record = record and k > 0
-    key = (id(model), k, tuple(s.key for s in strategies), caps, hidden, record, drafting, follows, feeding,
+    key = ("step", id(model), k, tuple(s.key for s in strategies), caps, hidden, record, drafting, follows, feeding,
            compiled)
-    if key not in steps:
+
+    def build():
         def run(state, last, keys, *feed):
             return step(model, head, k, strategies, caps, hidden, record, state, last, keys, *drafting, follows,
                         feeding, *feed)
@@ -395,5 +396,6 @@ def compiled_step(model, head, k: int, strategies: tuple, caps: tuple, hidden: s
         if COMPILE and compiled:
             implicit = [model.state] + ([head.state] if head is not None and head is not model.mtp else [])
             run = mx.compile(run, inputs=implicit)
-        steps[key] = run
-    return steps[key]
+        return run
+
+    return traces_of(owner).get(key, build)
