@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UsageError
+from ..options import DRAFTING_N_DRAFT
 from . import machine
 
 PROMPTS = ("Once upon a time", "The old dog", "In a small town", "The moon was", "A little girl",
@@ -147,7 +148,7 @@ def float32_copy(path: Path, workdir: Path) -> Path:
     return out
 
 
-def run(model_path=None, clients=(1, 4, 16), max_tokens: int = 64, n_drafts=(1, 3), mlx_lm: bool = True,
+def run(model_path=None, clients=(1, 4, 16), max_tokens: int = 64, n_drafts=(1, DRAFTING_N_DRAFT), mlx_lm: bool = True,
         workdir=None, repeats: int = 3) -> dict:
     """The load table's rows: qmtp serve at each n_draft, then mlx_lm.server, each at every client count.
 
@@ -224,11 +225,19 @@ def _counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _widths(text: str) -> tuple:
+    """--n-draft: widths separated by commas, each as `qmtp serve --n-draft` takes it (a number or auto)."""
+    from ..cli.options import n_draft
+
+    return tuple(n_draft(v) for v in text.split(","))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qmtp bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--clients", type=_counts, default=(1, 4, 16), help="concurrent clients per round: 1,4,16")
-    p.add_argument("--n-draft", type=_counts, default=(1, 3), help="qmtp serve's --n-draft, one server each: 1,3")
+    p.add_argument("--n-draft", type=_widths, default=(1, DRAFTING_N_DRAFT),
+                   help=f"qmtp serve's --n-draft, one server each (default 1,{DRAFTING_N_DRAFT}: plain and its default)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--repeats", type=int, default=3, help="rounds per cell, servers interleaved; the median kept")
