@@ -211,6 +211,8 @@ def test_a_launcher_stopped_while_ranks_read_a_terminal_ends_them_cleanly(signum
     code = (f"import signal, sys; sys.path.insert(0, {str(REPO)!r}); from qmtp import launch\n"
             f"def stop(signum, frame): raise SystemExit(128 + signum)\n"
             f"signal.signal(signal.SIGTERM, stop)\n"
+            # as at a terminal: a job a non-interactive shell starts in the background inherits SIGINT ignored
+            f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"sys.exit(launch.run([{str(echo)!r}], ranks=2, relay_stdin=True, timeout=120))")
     terminal, its_side = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=its_side, stdout=subprocess.PIPE,

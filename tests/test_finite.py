@@ -264,6 +264,7 @@ def test_chat_stops_in_one_line_on_a_nan_embedding(good, damaged):
 
 def test_chat_reports_drafts_from_a_nan_head(damaged):
     path = damaged("head_cli", {"mtp.fc.weight": (NAN, 10)})
-    result = run("chat", "--raw", path, "--use-mtp", "--prompt", PROMPT, "--max-tokens", "8")
+    # one draft a step (--use-mtp alone is auto, whose widths vary): 7 steps after the first token
+    result = run("chat", "--raw", path, "--use-mtp", "--n-draft", "2", "--prompt", PROMPT, "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert "7 drafts from NaN/Inf head logits" in result.stderr, result.stderr
