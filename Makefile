@@ -49,21 +49,12 @@ $(VENDOR_STAMP): $(VENDOR)/package.json $(VENDOR)/package-lock.json
 # runs against changes, drop the cached outputs so every chapter executes again.
 MODEL_STAMP := _build/.qmtp_model
 
-# tools/execute_notebooks.py executes the notebooks into the build's jupyter-cache first, BOOK_JOBS at a time, so
-# the build finds them cached and executes only the pages it always runs (execution_mode force). A notebook that
-# fails is named with its error, is not cached, and stops the target. BOOK_JOBS is 1 because most chapters time
-# things: run beside another notebook on a 2-core machine they measure a loaded machine, and their verdicts change
-# (chapter 7's "queueing ahead" read 1.03x alone, 0.57x with two at a time). BOOK_JOBS=2 builds in about 2/3 of
-# the time (290 s against 426-473 s from an empty cache on 2 cores) for pages whose timings are not to be read.
-BOOK_JOBS ?= 1
-
 book: venv vendor openblas
 	@mkdir -p _build; \
 	if [ "$$(cat $(MODEL_STAMP) 2>/dev/null)" != "$${QMTP_MODEL:-}" ]; then \
 	  echo "QMTP_MODEL changed: clearing _build/.jupyter_cache"; rm -rf _build/.jupyter_cache; \
 	fi; \
 	printf '%s' "$${QMTP_MODEL:-}" > $(MODEL_STAMP)
-	$(VPY) tools/execute_notebooks.py --jobs $(BOOK_JOBS)
 	$(BOOK_BUILD)
 
 # pytest's exit status is passed through unchanged: 5 ("no tests collected") fails this target too.
