@@ -392,8 +392,8 @@ glue("row_reading",
 #
 # `qmtp serve` puts the model behind an OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`,
 # `/v1/models`, `/health`), drafting with its head (`--n-draft`, `auto` by default with a head: the width of
-# each step chosen from the batch's own measured costs, plain included; a request's own `n_draft` overrides it). It binds 127.0.0.1 unless told otherwise and needs the `serve` extra
-# (`pip install -e .[serve]`):
+# each step chosen from the batch's own measured costs, plain included; a request's own `n_draft` overrides it).
+# It binds 127.0.0.1 unless told otherwise and needs the `serve` extra (`pip install -e .[serve]`):
 #
 # ```bash
 # python -m qmtp serve --port 8000                      # the bundled model; or a checkpoint folder first
@@ -415,10 +415,12 @@ no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
 with under_load.serving(model) as base_url:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
     served_model = client.models.list().data[0].id
-    reply = client.chat.completions.create(model=served_model, messages=messages, temperature=0, max_tokens=24,
-                                           extra_body=no_thinking)
-    load = under_load.load_rounds(base_url, served_model, clients=(1, 4), n_drafts=(1, 3, "auto"), max_tokens=8)
-direct = qmtp.generate(model, messages=messages, max_tokens=24, temperature=0, n_draft=3, enable_thinking=False)
+    reply = client.chat.completions.create(model=served_model, messages=messages, temperature=0,
+                                           max_tokens=24, extra_body=no_thinking)
+    load = under_load.load_rounds(base_url, served_model, clients=(1, 4), n_drafts=(1, 3, "auto"),
+                                  max_tokens=8)
+direct = qmtp.generate(model, messages=messages, max_tokens=24, temperature=0, n_draft=3,
+                       enable_thinking=False)
 assert reply.choices[0].message.content == direct.text
 print(reply.choices[0].message.content)
 
